@@ -1,0 +1,108 @@
+# mpidist: `make run` (the main job) and `make test` (everything CI checks).
+# Each target first sets up what it needs; setup is idempotent and fast once done.
+#
+# On a workstation running as root on Debian/Ubuntu, Open MPI and parallel HDF5
+# come from the distribution's packages. On a cluster, load your MPI and HDF5
+# modules first (so `mpicc` is on PATH and HDF5_DIR points at a parallel HDF5):
+# apt is skipped whenever `mpicc` and HDF5_DIR are already usable.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+MULTIARCH := $(shell gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+HDF5_DIR ?= /usr/lib/$(MULTIARCH)/hdf5/openmpi
+MPIEXEC ?= mpiexec
+NP ?= 4
+# Per-test limit (seconds) and limit for one whole mpiexec run of the suite.
+TEST_TIMEOUT ?= 300
+SUITE_TIMEOUT ?= 1500
+
+# Open MPI refuses root without these; tests oversubscribe 4 ranks on small machines;
+# one BLAS and one Numba thread per rank.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export OMP_NUM_THREADS := 1
+export OPENBLAS_NUM_THREADS := 1
+export NUMBA_NUM_THREADS := 1
+export PYTHONUNBUFFERED := 1
+
+SYSTEM_STAMP := $(VENV)/.system-ok
+DEPS_STAMP := $(VENV)/.deps-ok
+MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q -p no:cacheprovider tests
+
+.PHONY: help setup system run test lint test-serial test-mpi test-cudasim warm bench docs clean
+
+help:
+	@echo "make run    - the main job: 4-rank demo/training run, outputs under runs/"
+	@echo "make test   - ruff, serial tests, MPI tests at 2, 3 and 4 ranks, CUDA-simulator tests"
+	@echo "make bench  - benchmarks (ratios against the limit or a peer, same run)"
+	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
+
+setup: $(DEPS_STAMP)
+
+system: $(SYSTEM_STAMP)
+
+$(SYSTEM_STAMP):
+	@if command -v mpicc >/dev/null && command -v mpiexec >/dev/null && [ -d "$(HDF5_DIR)" ]; then \
+	  echo "setup: using MPI from $$(command -v mpicc) and HDF5 from $(HDF5_DIR)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "setup: installing Open MPI and parallel HDF5 from Debian packages"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools >/dev/null; \
+	else \
+	  echo "setup: need mpicc/mpiexec on PATH and a parallel HDF5 at HDF5_DIR=$(HDF5_DIR)" >&2; \
+	  echo "       (on a cluster: module load openmpi hdf5; make HDF5_DIR=...)" >&2; exit 1; \
+	fi
+	@[ -x "$(PY)" ] || $(PYTHON) -m venv $(VENV)
+	@touch $@
+
+$(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q numpy mpi4py Cython pkgconfig "setuptools>=77" wheel
+	@# h5py must be built against the parallel HDF5, without build isolation
+	@# (with isolation pip rebuilds mpi4py from source, which takes many GB of memory).
+	@if ! $(PY) -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then \
+	  echo "setup: building h5py against parallel HDF5 (a few minutes, once)"; \
+	  CC=mpicc HDF5_MPI=ON HDF5_DIR=$(HDF5_DIR) $(PY) -m pip install -q --no-binary=h5py \
+	    --no-build-isolation --force-reinstall --no-deps h5py; \
+	fi
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI'"
+	@touch $@
+
+run: $(DEPS_STAMP)
+	$(MPIEXEC) -n $(NP) $(BIN)/mpidist demo --out runs/demo
+
+lint: $(DEPS_STAMP)
+	$(BIN)/ruff check mpidist tests benchmarks
+
+warm: $(DEPS_STAMP)
+	@# Compile the Numba kernels once so MPI ranks do not all compile at the same time.
+	$(PY) -c "import mpidist.kernels as k; k.warm_up()"
+
+test-serial: $(DEPS_STAMP)
+	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests
+
+test-cudasim: $(DEPS_STAMP)
+	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests
+
+test-mpi: warm
+	$(call MPIRUN_TESTS,2)
+	$(call MPIRUN_TESTS,3)
+	$(call MPIRUN_TESTS,4)
+
+test: lint test-serial test-cudasim test-mpi
+	@echo "make test: all passed"
+
+bench: warm
+	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
+	$(MPIEXEC) -n 4 $(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf runs build *.egg-info .pytest_cache

@@ -1,0 +1,519 @@
+"""Collectives on NumPy (and CUDA) arrays: allreduce, allgather, reduce_scatter, broadcast, p2p.
+
+Every function takes the communicator as the keyword ``comm`` (an ``mpi4py`` intracomm or
+None). A group of size 1 (or ``comm=None``) takes a fast path that makes no MPI call, so
+everything also runs under plain ``python`` and ``pytest``.
+
+Lengths that do not divide the group size are padded, never rejected: ``reduce_scatter``
+of 10 elements over 3 ranks gives each rank 4 (the last rank's tail is zero padding) and
+``allgather(shard, numel=10)`` gives back exactly the original 10. Buffers that already
+have a padded length (``mpidist.buffers.FlatBuffer``) go to MPI without any copy.
+
+Reductions support float32, float64, int32 and int64. Gathers, broadcasts and
+point-to-point transfers take any dtype (16-bit floats are carried as ``uint16``).
+
+Arrays exposing ``__cuda_array_interface__`` are passed to MPI directly when the MPI library
+is CUDA-aware (``MPI.Query_cuda_support()``, or ``MPIDIST_CUDA_AWARE=1``), otherwise staged
+through a host copy: device → host, the collective on the host array, host → device.
+
+Debug mode (``MPIDIST_DEBUG=1`` or :func:`set_debug`): before each collective the ranks
+exchange the operation name, dtype and shape with one small Allgather and raise
+:class:`CollectiveMismatchError` on every rank, naming the ranks that differ, instead of
+hanging or silently mixing buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CollectiveMismatchError",
+    "Request",
+    "allgather",
+    "allgather_inplace",
+    "allreduce",
+    "broadcast",
+    "iallgather",
+    "iallgather_inplace",
+    "iallreduce",
+    "ireduce_scatter",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "set_debug",
+    "wait_all",
+]
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+_REDUCIBLE = {np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64)}
+_SIG_BYTES = 160
+
+_debug = os.environ.get("MPIDIST_DEBUG", "0") not in ("", "0", "false", "no")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called different collectives, or the same one with different shapes/dtypes."""
+
+
+def set_debug(enabled: bool) -> bool:
+    """Turn the cross-rank collective check on or off; returns the previous setting.
+
+    Must be set the same on every rank of a communicator (the check is itself a collective).
+    """
+    global _debug
+    previous, _debug = _debug, bool(enabled)
+    return previous
+
+
+def _size(comm: Any) -> int:
+    return 1 if comm is None else comm.Get_size()
+
+
+def _mpi_op(op: str) -> Any:
+    from mpi4py import MPI
+
+    return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def _check_op(op: str, allowed: Sequence[str] = _REDUCE_OPS) -> None:
+    if op not in allowed:
+        raise ValueError(f"op={op!r} is not one of {tuple(allowed)}")
+
+
+# -- device arrays ------------------------------------------------------------------------
+def _is_device(a: Any) -> bool:
+    # Real device arrays expose __cuda_array_interface__; the Numba CUDA simulator's
+    # FakeCUDAArray marks itself with __cuda_ndarray__ instead.
+    return not isinstance(a, np.ndarray) and (
+        hasattr(a, "__cuda_array_interface__") or hasattr(a, "__cuda_ndarray__")
+    )
+
+
+def cuda_aware() -> bool:
+    """Whether MPI can take device pointers directly (``MPIDIST_CUDA_AWARE`` overrides)."""
+    env = os.environ.get("MPIDIST_CUDA_AWARE")
+    if env is not None:
+        return env not in ("", "0", "false", "no")
+    try:
+        from mpi4py import MPI
+
+        return bool(MPI.Query_cuda_support())
+    except Exception:  # older MPI or mpi4py without the query
+        return False
+
+
+def _to_host(a: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None] | None]:
+    """Host array for ``a`` and a callback that copies a host result back, if staged."""
+    if not _is_device(a) or cuda_aware():
+        return a, None
+    host = a.copy_to_host()
+
+    def back(result: np.ndarray) -> None:
+        a.copy_to_device(result)
+
+    return host, back
+
+
+def _check_array(a: Any, what: str, reduce: bool = False) -> np.ndarray:
+    if _is_device(a):
+        dtype = np.dtype(a.dtype)
+    elif isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous; got strides {a.strides}")
+        dtype = a.dtype
+    else:
+        raise TypeError(f"{what} must be a NumPy or CUDA array, not {type(a).__name__}")
+    if reduce and dtype not in _REDUCIBLE:
+        raise ValueError(
+            f"{what} has dtype {dtype}; reductions support "
+            f"{sorted(str(d) for d in _REDUCIBLE)}"
+        )
+    return a
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1)
+
+
+# -- debug check --------------------------------------------------------------------------
+def _signature(name: str, a: Any, extra: str = "") -> str:
+    return f"{name} dtype={np.dtype(a.dtype)} shape={tuple(a.shape)}{extra}"
+
+
+def _debug_check(comm: Any, sig: str) -> None:
+    """Collective: every rank's signature must match, else raise on every rank."""
+    raw = sig.encode()[:_SIG_BYTES].ljust(_SIG_BYTES, b"\0")
+    mine = np.frombuffer(raw, dtype=np.uint8).copy()
+    everyone = np.empty((comm.Get_size(), _SIG_BYTES), dtype=np.uint8)
+    comm.Allgather(mine, everyone)
+    sigs = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
+    if len(set(sigs)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, s in enumerate(sigs):
+            groups.setdefault(s, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {s}" for s, rs in groups.items())
+        raise CollectiveMismatchError(f"collective mismatch on a group of {len(sigs)}: {detail}")
+
+
+def _maybe_check(comm: Any, name: str, a: Any, extra: str = "") -> None:
+    if _debug:
+        _debug_check(comm, _signature(name, a, extra))
+
+
+# -- requests -----------------------------------------------------------------------------
+class Request:
+    """A pending nonblocking operation. ``wait()`` completes it and returns its result.
+
+    Finishing work (averaging, unpadding, copying a staged result back to the device)
+    happens in ``wait()``/a successful ``test()``, exactly once.
+    """
+
+    def __init__(self, reqs: Sequence[Any], result: Any, finish: Callable[[], Any] | None = None):
+        self._reqs = list(reqs)
+        self._result = result
+        self._finish = finish
+        self._done = False
+
+    def _complete(self) -> Any:
+        if not self._done:
+            self._done = True
+            if self._finish is not None:
+                out = self._finish()
+                if out is not None:
+                    self._result = out
+        return self._result
+
+    def wait(self) -> Any:
+        """Block until done; return the result (the output array)."""
+        if not self._done and self._reqs:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall(self._reqs)
+        return self._complete()
+
+    def test(self) -> bool:
+        """True (and the result is ready) when done; drives MPI progress otherwise."""
+        if self._done:
+            return True
+        if self._reqs:
+            from mpi4py import MPI
+
+            if not MPI.Request.Testall(self._reqs):
+                return False
+        self._complete()
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def wait_all(requests: Sequence[Request]) -> list[Any]:
+    """Wait for every request; returns their results in order."""
+    return [r.wait() for r in requests]
+
+
+# -- allreduce ----------------------------------------------------------------------------
+def iallreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Request:
+    """Start an in-place allreduce of ``buf`` over ``comm``; ``wait()`` returns ``buf``.
+
+    Collective over ``comm``: every rank must call it, in the same order as its other
+    collectives, with the same op, shape and dtype. ``op`` is sum, avg, max or min.
+    """
+    _check_op(op)
+    _check_array(buf, "allreduce buffer", reduce=True)
+    n = _size(comm)
+    if n == 1:
+        return Request([], buf)
+    _maybe_check(comm, f"allreduce[{op}]", buf)
+    host, back = _to_host(buf)
+    from mpi4py import MPI
+
+    req = comm.Iallreduce(MPI.IN_PLACE, _flat(host), op=_mpi_op(op))
+
+    def finish() -> None:
+        if op == "avg":
+            _scale(host, n)
+        if back is not None:
+            back(host)
+
+    return Request([req], buf, finish)
+
+
+def _scale(a: np.ndarray, n: int) -> None:
+    if a.dtype.kind == "f":
+        a *= a.dtype.type(1.0 / n)
+    else:
+        a //= n
+
+
+def allreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Any:
+    """Allreduce ``buf`` in place over ``comm`` and return it. Collective over ``comm``.
+
+    ``op``: sum, avg (sum then one scaling pass by 1/size), max or min.
+    """
+    _check_op(op)
+    _check_array(buf, "allreduce buffer", reduce=True)
+    n = _size(comm)
+    if n == 1:
+        return buf
+    _maybe_check(comm, f"allreduce[{op}]", buf)
+    host, back = _to_host(buf)
+    from mpi4py import MPI
+
+    comm.Allreduce(MPI.IN_PLACE, _flat(host), op=_mpi_op(op))
+    if op == "avg":
+        _scale(host, n)
+    if back is not None:
+        back(host)
+    return buf
+
+
+# -- reduce_scatter -----------------------------------------------------------------------
+def _padded_input(buf: np.ndarray, n: int) -> np.ndarray:
+    flat = _flat(buf)
+    rem = flat.shape[0] % n
+    if rem == 0:
+        return flat
+    padded = np.zeros(flat.shape[0] + n - rem, dtype=flat.dtype)
+    padded[: flat.shape[0]] = flat
+    return padded
+
+
+def ireduce_scatter(
+    buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None
+) -> Request:
+    """Start a reduce-scatter of ``buf``; ``wait()`` returns this rank's reduced shard.
+
+    Collective over ``comm``. ``buf`` is padded with zeros to a multiple of the group size
+    ``n`` when needed; rank r receives elements ``[r*s, (r+1)*s)`` of the reduced buffer,
+    ``s = ceil(len(buf)/n)``. ``out`` (length ``s``) receives the shard if given.
+    ``op`` is sum or avg.
+    """
+    _check_op(op, ("sum", "avg"))
+    _check_array(buf, "reduce_scatter buffer", reduce=True)
+    n = _size(comm)
+    numel = int(np.prod(buf.shape))
+    s = -(-numel // n)
+    if out is not None:
+        _check_array(out, "reduce_scatter output", reduce=True)
+        if int(np.prod(out.shape)) != s or np.dtype(out.dtype) != np.dtype(buf.dtype):
+            raise ValueError(
+                f"reduce_scatter output has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                f"need {s} elements of {buf.dtype}"
+            )
+    if n == 1:
+        if out is None:
+            return Request([], _flat(buf))
+        if _is_device(out):
+            out.copy_to_device(buf.copy_to_host() if _is_device(buf) else buf)
+        else:
+            np.copyto(_flat(out), _flat(buf))
+        return Request([], out)
+    _maybe_check(comm, f"reduce_scatter[{op}]", buf)
+    host_in, _ = _to_host(buf)
+    send = _padded_input(host_in, n)
+    if out is None:
+        result = np.empty(s, dtype=send.dtype)
+        back = None
+        target: Any = result
+    else:
+        result, back = _to_host(out)
+        target = out
+    req = comm.Ireduce_scatter_block(send, _flat(result), op=_mpi_op(op))
+
+    def finish() -> None:
+        if op == "avg":
+            _scale(result, n)
+        if back is not None:
+            back(result)
+
+    return Request([req], target, finish)
+
+
+def reduce_scatter(buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None) -> Any:
+    """Reduce ``buf`` over ``comm`` and return this rank's shard (see :func:`ireduce_scatter`).
+
+    Collective over ``comm``.
+    """
+    _check_op(op, ("sum", "avg"))
+    _check_array(buf, "reduce_scatter buffer", reduce=True)
+    n = _size(comm)
+    if n == 1 or out is not None or _is_device(buf):
+        return ireduce_scatter(buf, op, comm=comm, out=out).wait()
+    _maybe_check(comm, f"reduce_scatter[{op}]", buf)
+    send = _padded_input(buf, n)
+    result = np.empty(send.shape[0] // n, dtype=send.dtype)
+    comm.Reduce_scatter_block(send, result, op=_mpi_op(op))
+    if op == "avg":
+        _scale(result, n)
+    return result
+
+
+# -- allgather ----------------------------------------------------------------------------
+def iallgather(
+    shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None
+) -> Request:
+    """Start an allgather of equal-length shards; ``wait()`` returns the concatenation.
+
+    Collective over ``comm``. The result has ``size * len(shard)`` elements, or the first
+    ``numel`` of them when ``numel`` is given (dropping the padding added by
+    :func:`reduce_scatter`). ``out``, if given, must hold ``size * len(shard)`` elements.
+    """
+    _check_array(shard, "allgather shard")
+    n = _size(comm)
+    s = int(np.prod(shard.shape))
+    total = n * s
+    if numel is not None and not 0 <= numel <= total:
+        raise ValueError(f"numel={numel} is outside [0, {total}] for {n} shards of {s}")
+    if out is not None:
+        _check_array(out, "allgather output")
+        if int(np.prod(out.shape)) != total or np.dtype(out.dtype) != np.dtype(shard.dtype):
+            raise ValueError(
+                f"allgather output has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                f"need {total} elements of {shard.dtype}"
+            )
+
+    def trim(a: Any) -> Any:
+        return a if numel is None or numel == total else _flat(a)[:numel]
+
+    if n == 1:
+        if out is None:
+            return Request([], trim(_flat(shard)))
+        if _is_device(out):
+            out.copy_to_device(shard.copy_to_host() if _is_device(shard) else shard)
+        else:
+            np.copyto(_flat(out), _flat(shard))
+        return Request([], trim(out))
+    _maybe_check(comm, "allgather", shard)
+    host_in, _ = _to_host(shard)
+    if out is None:
+        result = np.empty(total, dtype=np.dtype(shard.dtype))
+        back, target = None, result
+    else:
+        result, back = _to_host(out)
+        target = out
+    req = comm.Iallgather(_flat(host_in), _flat(result))
+
+    def finish() -> Any:
+        if back is not None:
+            back(result)
+        return trim(target)
+
+    return Request([req], target, finish)
+
+
+def allgather(shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None) -> Any:
+    """Gather equal-length shards from every rank (see :func:`iallgather`). Collective."""
+    if _size(comm) == 1 or out is not None or _is_device(shard):
+        return iallgather(shard, comm=comm, numel=numel, out=out).wait()
+    _check_array(shard, "allgather shard")
+    s = int(np.prod(shard.shape))
+    total = comm.Get_size() * s
+    if numel is not None and not 0 <= numel <= total:
+        raise ValueError(f"numel={numel} is outside [0, {total}] for {comm.Get_size()} shards")
+    _maybe_check(comm, "allgather", shard)
+    result = np.empty(total, dtype=shard.dtype)
+    comm.Allgather(_flat(shard), result)
+    return result if numel is None else result[:numel]
+
+
+def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
+    """Start an in-place allgather: rank r's segment ``[r*s, (r+1)*s)`` of ``buf`` is its input.
+
+    Collective over ``comm``. ``len(buf)`` must be a multiple of the group size (flat
+    buffers are built padded). ``wait()`` returns ``buf`` with every segment filled.
+    """
+    _check_array(buf, "allgather buffer")
+    n = _size(comm)
+    numel = int(np.prod(buf.shape))
+    if numel % n:
+        raise ValueError(
+            f"in-place allgather needs a length divisible by the group size; "
+            f"got {numel} over {n} ranks (pad the buffer to {-(-numel // n) * n})"
+        )
+    if n == 1:
+        return Request([], buf)
+    _maybe_check(comm, "allgather_inplace", buf)
+    host, back = _to_host(buf)
+    from mpi4py import MPI
+
+    req = comm.Iallgather(MPI.IN_PLACE, _flat(host))
+    return Request([req], buf, None if back is None else (lambda: back(host)))
+
+
+def allgather_inplace(buf: Any, *, comm: Any = None) -> Any:
+    """In-place allgather (see :func:`iallgather_inplace`); returns ``buf``. Collective."""
+    n = _size(comm)
+    if n == 1 or _is_device(buf):
+        return iallgather_inplace(buf, comm=comm).wait()
+    _check_array(buf, "allgather buffer")
+    if buf.size % n:
+        return iallgather_inplace(buf, comm=comm).wait()  # raises the ValueError
+    _maybe_check(comm, "allgather_inplace", buf)
+    from mpi4py import MPI
+
+    comm.Allgather(MPI.IN_PLACE, _flat(buf))
+    return buf
+
+
+# -- broadcast ----------------------------------------------------------------------------
+def broadcast(buf: Any, root: int = 0, *, comm: Any = None) -> Any:
+    """Broadcast ``buf`` from ``root`` in place and return it. Collective over ``comm``."""
+    _check_array(buf, "broadcast buffer")
+    n = _size(comm)
+    if not 0 <= root < n:
+        raise ValueError(f"root={root} is outside a group of size {n}")
+    if n == 1:
+        return buf
+    _maybe_check(comm, f"broadcast[root={root}]", buf)
+    host, back = _to_host(buf)
+    comm.Bcast(_flat(host), root=root)
+    if back is not None:
+        back(host)
+    return buf
+
+
+# -- point to point -----------------------------------------------------------------------
+def _check_peer(peer: int, comm: Any, what: str) -> None:
+    if comm is None:
+        raise ValueError(f"{what} needs a communicator; comm=None has no peers")
+    n = comm.Get_size()
+    if not 0 <= peer < n:
+        raise ValueError(f"{what}={peer} is outside a group of size {n}")
+
+
+def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
+    """Start sending ``buf`` to rank ``dest`` of ``comm``. Not collective (point to point).
+
+    The buffer must not be modified until the request completes.
+    """
+    _check_array(buf, "send buffer")
+    _check_peer(dest, comm, "dest")
+    host, _ = _to_host(buf)
+    return Request([comm.Isend(_flat(host), dest=dest, tag=tag)], buf)
+
+
+def send(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> None:
+    """Send ``buf`` to rank ``dest`` of ``comm`` (blocking). Point to point."""
+    isend(buf, dest, comm=comm, tag=tag).wait()
+
+
+def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
+    """Start receiving into ``buf`` from rank ``source``; ``wait()`` returns ``buf``."""
+    _check_array(buf, "receive buffer")
+    _check_peer(source, comm, "source")
+    host, back = _to_host(buf)
+    req = comm.Irecv(_flat(host), source=source, tag=tag)
+    return Request([req], buf, None if back is None else (lambda: back(host)))
+
+
+def recv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Any:
+    """Receive into ``buf`` from rank ``source`` of ``comm`` (blocking); returns ``buf``."""
+    return irecv(buf, source, comm=comm, tag=tag).wait()
