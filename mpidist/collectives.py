@@ -75,10 +75,25 @@ def _size(comm: Any) -> int:
     return 1 if comm is None else comm.Get_size()
 
 
-def _mpi_op(op: str) -> Any:
-    from mpi4py import MPI
+_MPI: Any = None
+_OPS: dict[str, Any] = {}
 
-    return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+def _mpi() -> Any:
+    """mpi4py.MPI, imported on first use so that importing mpidist does not start MPI."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _OPS.update(sum=MPI.SUM, avg=MPI.SUM, max=MPI.MAX, min=MPI.MIN)
+        _MPI = MPI
+    return _MPI
+
+
+def _mpi_op(op: str) -> Any:
+    if not _OPS:
+        _mpi()
+    return _OPS[op]
 
 
 def _check_op(op: str, allowed: Sequence[str] = _REDUCE_OPS) -> None:
@@ -141,6 +156,10 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+def _contig(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and a.flags.c_contiguous
+
+
 # -- debug check --------------------------------------------------------------------------
 def _signature(name: str, a: Any, extra: str = "") -> str:
     return f"{name} dtype={np.dtype(a.dtype)} shape={tuple(a.shape)}{extra}"
@@ -162,8 +181,7 @@ def _debug_check(comm: Any, sig: str) -> None:
 
 
 def _maybe_check(comm: Any, name: str, a: Any, extra: str = "") -> None:
-    if _debug:
-        _debug_check(comm, _signature(name, a, extra))
+    _debug_check(comm, _signature(name, a, extra))
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -192,20 +210,15 @@ class Request:
     def wait(self) -> Any:
         """Block until done; return the result (the output array)."""
         if not self._done and self._reqs:
-            from mpi4py import MPI
-
-            MPI.Request.Waitall(self._reqs)
+            _mpi().Request.Waitall(self._reqs)
         return self._complete()
 
     def test(self) -> bool:
         """True (and the result is ready) when done; drives MPI progress otherwise."""
         if self._done:
             return True
-        if self._reqs:
-            from mpi4py import MPI
-
-            if not MPI.Request.Testall(self._reqs):
-                return False
+        if self._reqs and not _mpi().Request.Testall(self._reqs):
+            return False
         self._complete()
         return True
 
@@ -231,11 +244,10 @@ def iallreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Request:
     n = _size(comm)
     if n == 1:
         return Request([], buf)
-    _maybe_check(comm, f"allreduce[{op}]", buf)
+    if _debug:
+        _maybe_check(comm, f"allreduce[{op}]", buf)
     host, back = _to_host(buf)
-    from mpi4py import MPI
-
-    req = comm.Iallreduce(MPI.IN_PLACE, _flat(host), op=_mpi_op(op))
+    req = comm.Iallreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
 
     def finish() -> None:
         if op == "avg":
@@ -263,11 +275,10 @@ def allreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Any:
     n = _size(comm)
     if n == 1:
         return buf
-    _maybe_check(comm, f"allreduce[{op}]", buf)
+    if _debug:
+        _maybe_check(comm, f"allreduce[{op}]", buf)
     host, back = _to_host(buf)
-    from mpi4py import MPI
-
-    comm.Allreduce(MPI.IN_PLACE, _flat(host), op=_mpi_op(op))
+    comm.Allreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
     if op == "avg":
         _scale(host, n)
     if back is not None:
@@ -299,11 +310,11 @@ def ireduce_scatter(
     _check_op(op, ("sum", "avg"))
     _check_array(buf, "reduce_scatter buffer", reduce=True)
     n = _size(comm)
-    numel = int(np.prod(buf.shape))
+    numel = buf.size
     s = -(-numel // n)
     if out is not None:
         _check_array(out, "reduce_scatter output", reduce=True)
-        if int(np.prod(out.shape)) != s or np.dtype(out.dtype) != np.dtype(buf.dtype):
+        if out.size != s or np.dtype(out.dtype) != np.dtype(buf.dtype):
             raise ValueError(
                 f"reduce_scatter output has shape {tuple(out.shape)} and dtype {out.dtype}; "
                 f"need {s} elements of {buf.dtype}"
@@ -316,7 +327,8 @@ def ireduce_scatter(
         else:
             np.copyto(_flat(out), _flat(buf))
         return Request([], out)
-    _maybe_check(comm, f"reduce_scatter[{op}]", buf)
+    if _debug:
+        _maybe_check(comm, f"reduce_scatter[{op}]", buf)
     host_in, _ = _to_host(buf)
     send = _padded_input(host_in, n)
     if out is None:
@@ -345,12 +357,16 @@ def reduce_scatter(buf: Any, op: str = "sum", *, comm: Any = None, out: Any = No
     _check_op(op, ("sum", "avg"))
     _check_array(buf, "reduce_scatter buffer", reduce=True)
     n = _size(comm)
-    if n == 1 or out is not None or _is_device(buf):
+    if n == 1 or _is_device(buf) or (out is not None and _is_device(out)):
         return ireduce_scatter(buf, op, comm=comm, out=out).wait()
-    _maybe_check(comm, f"reduce_scatter[{op}]", buf)
+    s = -(-buf.size // n)
+    if out is not None and (out.size != s or out.dtype != buf.dtype or not _contig(out)):
+        return ireduce_scatter(buf, op, comm=comm, out=out).wait()  # raises the ValueError
+    if _debug:
+        _maybe_check(comm, f"reduce_scatter[{op}]", buf)
     send = _padded_input(buf, n)
-    result = np.empty(send.shape[0] // n, dtype=send.dtype)
-    comm.Reduce_scatter_block(send, result, op=_mpi_op(op))
+    result = np.empty(s, dtype=send.dtype) if out is None else out
+    comm.Reduce_scatter_block(send, _flat(result), op=_mpi_op(op))
     if op == "avg":
         _scale(result, n)
     return result
@@ -368,13 +384,13 @@ def iallgather(
     """
     _check_array(shard, "allgather shard")
     n = _size(comm)
-    s = int(np.prod(shard.shape))
+    s = shard.size
     total = n * s
     if numel is not None and not 0 <= numel <= total:
         raise ValueError(f"numel={numel} is outside [0, {total}] for {n} shards of {s}")
     if out is not None:
         _check_array(out, "allgather output")
-        if int(np.prod(out.shape)) != total or np.dtype(out.dtype) != np.dtype(shard.dtype):
+        if out.size != total or np.dtype(out.dtype) != np.dtype(shard.dtype):
             raise ValueError(
                 f"allgather output has shape {tuple(out.shape)} and dtype {out.dtype}; "
                 f"need {total} elements of {shard.dtype}"
@@ -391,7 +407,8 @@ def iallgather(
         else:
             np.copyto(_flat(out), _flat(shard))
         return Request([], trim(out))
-    _maybe_check(comm, "allgather", shard)
+    if _debug:
+        _maybe_check(comm, "allgather", shard)
     host_in, _ = _to_host(shard)
     if out is None:
         result = np.empty(total, dtype=np.dtype(shard.dtype))
@@ -411,17 +428,22 @@ def iallgather(
 
 def allgather(shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None) -> Any:
     """Gather equal-length shards from every rank (see :func:`iallgather`). Collective."""
-    if _size(comm) == 1 or out is not None or _is_device(shard):
+    if _size(comm) == 1 or _is_device(shard) or (out is not None and _is_device(out)):
         return iallgather(shard, comm=comm, numel=numel, out=out).wait()
     _check_array(shard, "allgather shard")
-    s = int(np.prod(shard.shape))
-    total = comm.Get_size() * s
-    if numel is not None and not 0 <= numel <= total:
-        raise ValueError(f"numel={numel} is outside [0, {total}] for {comm.Get_size()} shards")
-    _maybe_check(comm, "allgather", shard)
-    result = np.empty(total, dtype=shard.dtype)
-    comm.Allgather(_flat(shard), result)
-    return result if numel is None else result[:numel]
+    total = comm.Get_size() * shard.size
+    bad_out = out is not None and (
+        out.size != total or out.dtype != shard.dtype or not _contig(out)
+    )
+    if bad_out or (numel is not None and not 0 <= numel <= total):
+        return iallgather(shard, comm=comm, numel=numel, out=out).wait()  # raises ValueError
+    if _debug:
+        _maybe_check(comm, "allgather", shard)
+    result = np.empty(total, dtype=shard.dtype) if out is None else out
+    comm.Allgather(_flat(shard), _flat(result))
+    if numel is None or numel == total:
+        return result
+    return _flat(result)[:numel]
 
 
 def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
@@ -432,7 +454,7 @@ def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
     """
     _check_array(buf, "allgather buffer")
     n = _size(comm)
-    numel = int(np.prod(buf.shape))
+    numel = buf.size
     if numel % n:
         raise ValueError(
             f"in-place allgather needs a length divisible by the group size; "
@@ -440,11 +462,10 @@ def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
         )
     if n == 1:
         return Request([], buf)
-    _maybe_check(comm, "allgather_inplace", buf)
+    if _debug:
+        _maybe_check(comm, "allgather_inplace", buf)
     host, back = _to_host(buf)
-    from mpi4py import MPI
-
-    req = comm.Iallgather(MPI.IN_PLACE, _flat(host))
+    req = comm.Iallgather(_mpi().IN_PLACE, _flat(host))
     return Request([req], buf, None if back is None else (lambda: back(host)))
 
 
@@ -456,10 +477,9 @@ def allgather_inplace(buf: Any, *, comm: Any = None) -> Any:
     _check_array(buf, "allgather buffer")
     if buf.size % n:
         return iallgather_inplace(buf, comm=comm).wait()  # raises the ValueError
-    _maybe_check(comm, "allgather_inplace", buf)
-    from mpi4py import MPI
-
-    comm.Allgather(MPI.IN_PLACE, _flat(buf))
+    if _debug:
+        _maybe_check(comm, "allgather_inplace", buf)
+    comm.Allgather(_mpi().IN_PLACE, _flat(buf))
     return buf
 
 
@@ -472,7 +492,8 @@ def broadcast(buf: Any, root: int = 0, *, comm: Any = None) -> Any:
         raise ValueError(f"root={root} is outside a group of size {n}")
     if n == 1:
         return buf
-    _maybe_check(comm, f"broadcast[root={root}]", buf)
+    if _debug:
+        _maybe_check(comm, f"broadcast[root={root}]", buf)
     host, back = _to_host(buf)
     comm.Bcast(_flat(host), root=root)
     if back is not None:
