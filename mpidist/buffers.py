@@ -20,6 +20,9 @@ import numpy as np
 __all__ = [
     "Bucket",
     "FlatBuffer",
+    "ShardedLayout",
+    "UnitSpan",
+    "make_buckets",
     "TensorSpec",
     "padded_length",
     "shard_range",
@@ -84,6 +87,37 @@ class Bucket:
     @property
     def size(self) -> int:
         return self.stop - self.start
+
+
+def make_buckets(
+    specs: Iterable[TensorSpec], total: int, bucket_bytes: int, itemsize: int
+) -> list[Bucket]:
+    """Contiguous buckets of about ``bucket_bytes`` over a flat range ``[0, total)``.
+
+    Buckets are formed in reverse order of the specs (the order backward produces
+    gradients) and never split a tensor; a tensor larger than the bucket size gets a bucket
+    of its own. Gaps between tensors (padding) fall into a neighbouring bucket, and the first
+    bucket runs to ``total``, so the buckets together cover ``[0, total)`` exactly once.
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)):
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an integer")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    limit = max(1, bucket_bytes // itemsize)
+    ordered = sorted(specs, key=lambda sp: sp.offset, reverse=True)
+    buckets: list[Bucket] = []
+    stop = total
+    names: list[str] = []
+    start = stop
+    for spec in ordered:
+        if names and stop - spec.offset > limit:
+            buckets.append(Bucket(len(buckets), start, stop, tuple(names)))
+            stop, names = start, []
+        names.append(spec.name)
+        start = spec.offset
+    if names or stop > 0:
+        buckets.append(Bucket(len(buckets), 0, stop, tuple(names)))
+    return buckets
 
 
 def _normalize_specs(tensors: Iterable[tuple[str, Sequence[int]]]) -> list[tuple[str, Shape]]:
@@ -241,33 +275,152 @@ class FlatBuffer:
     def buckets(self, bucket_bytes: int) -> list[Bucket]:
         """Split the tensors into contiguous buckets of about ``bucket_bytes``.
 
-        Buckets are formed in reverse registration order (the order backward produces
-        gradients) and never split a tensor; a tensor larger than the bucket size gets a
-        bucket of its own. The first bucket (the last-registered tensors) also covers the
-        padding tail, so the buckets together cover the whole allocation exactly once.
+        See :func:`make_buckets`; the buckets cover the whole allocation, padding included.
         """
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)):
-            raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an integer")
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-        limit = max(1, bucket_bytes // self.dtype.itemsize)
-        specs = list(self.specs.values())[::-1]
-        buckets: list[Bucket] = []
-        stop = self.data.shape[0]
-        names: list[str] = []
-        start = stop
-        for spec in specs:
-            if names and stop - spec.offset > limit:
-                buckets.append(Bucket(len(buckets), start, stop, tuple(names)))
-                stop, names = start, []
-            names.append(spec.name)
-            start = spec.offset
-        if names or stop > 0:
-            buckets.append(Bucket(len(buckets), 0, stop, tuple(names)))
-        return buckets
+        return make_buckets(self.specs.values(), self.data.shape[0], bucket_bytes,
+                            self.dtype.itemsize)
 
     def __repr__(self) -> str:
         return (
             f"FlatBuffer({len(self.specs)} tensors, numel={self.numel}, "
             f"padded={self.data.shape[0]}, dtype={self.dtype})"
         )
+
+
+@dataclass(frozen=True)
+class UnitSpan:
+    """One unit of a :class:`ShardedLayout`: its tensors and where its pieces live.
+
+    The unit's tensors are packed from ``full_offset`` in the full buffer and padded to
+    ``padded`` elements (a multiple of the group size); rank r's shard of the unit is
+    ``[full_offset + r*shard, full_offset + (r+1)*shard)`` of the full buffer and sits at
+    ``[local_offset, local_offset + shard)`` of the rank's local shard.
+    """
+
+    index: int
+    specs: tuple[TensorSpec, ...]  # offsets relative to the unit's start
+    numel: int
+    padded: int
+    shard: int
+    full_offset: int
+    local_offset: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+
+class ShardedLayout:
+    """The flat layout of a model split into units, each unit sharded over ``n`` ranks.
+
+    The full buffer is the units back to back, each padded to a multiple of ``n``; a rank's
+    local shard is its shard of every unit, back to back. Replicated strategies (DDP) use
+    the full buffer; ZeRO uses the same layout and keeps only the local shard of what it
+    shards, so parameter names, checkpoints and kernels see one map for every strategy.
+    With one unit this is exactly a :class:`FlatBuffer` padded to ``n``.
+
+    Pure arithmetic; nothing here allocates large arrays or communicates.
+
+    Args:
+        units: for each unit, its ``(name, shape)`` pairs in registration order.
+        n: the group size the units are sharded over.
+        rank: this rank's index in that group.
+    """
+
+    def __init__(self, units: Sequence[Sequence[tuple[str, Sequence[int]]]], n: int,
+                 rank: int = 0) -> None:
+        _check_group(n)
+        if not 0 <= rank < n:
+            raise ValueError(f"rank={rank} is outside a group of size {n}")
+        self.n, self.rank = int(n), int(rank)
+        spans: list[UnitSpan] = []
+        seen: set[str] = set()
+        full = local = 0
+        for u, tensors in enumerate(units):
+            specs = []
+            off = 0
+            for name, shape in _normalize_specs(tensors):
+                if name in seen:
+                    raise ValueError(f"tensor name {name!r} appears in two units")
+                seen.add(name)
+                spec = TensorSpec(name, shape, off)
+                specs.append(spec)
+                off = spec.stop
+            padded = padded_length(off, n)
+            span = UnitSpan(u, tuple(specs), off, padded, padded // n, full, local)
+            spans.append(span)
+            full += padded
+            local += span.shard
+        self.units: tuple[UnitSpan, ...] = tuple(spans)
+        self.full_size = full
+        self.local_size = local
+        self.numel = sum(s.numel for s in spans)
+        self._where = {spec.name: (span, spec) for span in spans for spec in span.specs}
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor name, in layout order."""
+        return list(self._where)
+
+    def spec(self, name: str) -> TensorSpec:
+        """The tensor's spec with its offset in the full buffer."""
+        span, spec = self._where[name]
+        return TensorSpec(name, spec.shape, span.full_offset + spec.offset)
+
+    def unit_of(self, name: str) -> int:
+        """Index of the unit holding tensor ``name``."""
+        return self._where[name][0].index
+
+    def full_views(self, full: np.ndarray) -> dict[str, np.ndarray]:
+        """``{name: shaped view}`` of a full-layout array."""
+        return {n: full[s.offset:s.stop].reshape(s.shape) for n in self._where
+                for s in (self.spec(n),)}
+
+    def unit_views(self, unit: int, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """``{name: shaped view}`` of one unit's tensors in a buffer holding just that unit."""
+        return {s.name: buf[s.offset:s.stop].reshape(s.shape) for s in self.units[unit].specs}
+
+    def unit_full(self, unit: int, full: np.ndarray) -> np.ndarray:
+        """The unit's padded range of a full-layout array."""
+        span = self.units[unit]
+        return full[span.full_offset:span.full_offset + span.padded]
+
+    def unit_shard_of_full(
+        self, unit: int, full: np.ndarray, rank: int | None = None
+    ) -> np.ndarray:
+        """Rank ``rank``'s (default: this rank's) shard of the unit, inside a full array."""
+        span = self.units[unit]
+        r = self.rank if rank is None else rank
+        start = span.full_offset + r * span.shard
+        return full[start:start + span.shard]
+
+    def unit_local(self, unit: int, local: np.ndarray) -> np.ndarray:
+        """The unit's piece of a local-shard array."""
+        span = self.units[unit]
+        return local[span.local_offset:span.local_offset + span.shard]
+
+    def local_pieces(self, rank: int | None = None) -> list[tuple[str, slice, slice]]:
+        """``(name, slice of the flattened tensor, slice of the local shard)`` for a rank.
+
+        The map from a rank's local shard back to named global tensors: checkpoints write
+        each piece as a hyperslab of the tensor's dataset.
+        """
+        r = self.rank if rank is None else rank
+        out = []
+        for span in self.units:
+            lo, hi = r * span.shard, (r + 1) * span.shard
+            for spec in span.specs:
+                a, b = max(lo, spec.offset), min(hi, spec.stop)
+                if a < b:
+                    out.append((spec.name, slice(a - spec.offset, b - spec.offset),
+                                slice(span.local_offset + a - lo, span.local_offset + b - lo)))
+        return out
+
+    def buckets(self, bucket_bytes: int, itemsize: int) -> list[Bucket]:
+        """Buckets over the full buffer (see :func:`make_buckets`)."""
+        return make_buckets((self.spec(n) for n in self._where), self.full_size,
+                            bucket_bytes, itemsize)
+
+    def __repr__(self) -> str:
+        return (f"ShardedLayout({len(self.units)} units, numel={self.numel}, "
+                f"full={self.full_size}, local={self.local_size}, n={self.n})")

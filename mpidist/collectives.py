@@ -192,15 +192,23 @@ class Request:
     happens in ``wait()``/a successful ``test()``, exactly once.
     """
 
-    def __init__(self, reqs: Sequence[Any], result: Any, finish: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        reqs: Sequence[Any],
+        result: Any,
+        finish: Callable[[], Any] | None = None,
+        keep: tuple = (),
+    ) -> None:
         self._reqs = list(reqs)
         self._result = result
         self._finish = finish
         self._done = False
+        self._keep = keep  # buffers MPI reads or writes until completion stay alive
 
     def _complete(self) -> Any:
         if not self._done:
             self._done = True
+            self._keep = ()
             if self._finish is not None:
                 out = self._finish()
                 if out is not None:
@@ -346,7 +354,7 @@ def ireduce_scatter(
         if back is not None:
             back(result)
 
-    return Request([req], target, finish)
+    return Request([req], target, finish, keep=(send, result))
 
 
 def reduce_scatter(buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None) -> Any:
@@ -423,7 +431,7 @@ def iallgather(
             back(result)
         return trim(target)
 
-    return Request([req], target, finish)
+    return Request([req], target, finish, keep=(host_in, result))
 
 
 def allgather(shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None) -> Any:
@@ -518,7 +526,7 @@ def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
     _check_array(buf, "send buffer")
     _check_peer(dest, comm, "dest")
     host, _ = _to_host(buf)
-    return Request([comm.Isend(_flat(host), dest=dest, tag=tag)], buf)
+    return Request([comm.Isend(_flat(host), dest=dest, tag=tag)], buf, keep=(host,))
 
 
 def send(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> None:
@@ -532,7 +540,7 @@ def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
     _check_peer(source, comm, "source")
     host, back = _to_host(buf)
     req = comm.Irecv(_flat(host), source=source, tag=tag)
-    return Request([req], buf, None if back is None else (lambda: back(host)))
+    return Request([req], buf, None if back is None else (lambda: back(host)), keep=(host,))
 
 
 def recv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Any:

@@ -1,0 +1,181 @@
+"""A byte-level text corpus built from the Python standard library's own sources.
+
+Every Python installation ships these files, so the corpus needs no download and every rank
+of a job (one installation) builds the same bytes. A fixed list of well-known modules is read
+in sorted order (those that exist in this Python version), joined by newlines and capped at
+:data:`MAX_BYTES`. Different Python versions ship different sources, hence different corpora:
+:attr:`TextCorpus.fingerprint` (SHA-256 of the text) tells them apart, and checkpoints can
+record it.
+
+Tokens are bytes (vocabulary 256). The last :data:`VALIDATION_FRACTION` of the text is the
+validation split. A sample is a window of ``block_size + 1`` bytes starting at a multiple of
+``block_size`` inside its split: ``x`` is the first ``block_size`` bytes, ``y`` the same shifted
+by one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["MAX_BYTES", "STDLIB_FILES", "VALIDATION_FRACTION", "TextCorpus", "corpus_bytes"]
+
+#: Standard-library sources that make up the corpus (relative to the stdlib directory).
+STDLIB_FILES: tuple[str, ...] = tuple(
+    sorted(
+        [
+            "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py",
+            "cmd.py", "code.py", "codecs.py", "collections/__init__.py", "colorsys.py",
+            "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py",
+            "difflib.py", "dis.py", "enum.py", "fnmatch.py", "fractions.py", "functools.py",
+            "getopt.py", "gettext.py", "glob.py", "heapq.py", "hmac.py", "inspect.py",
+            "ipaddress.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
+            "keyword.py", "linecache.py", "locale.py", "logging/__init__.py", "numbers.py",
+            "operator.py", "optparse.py", "pathlib.py", "pprint.py", "queue.py", "random.py",
+            "reprlib.py", "sched.py", "secrets.py", "shlex.py", "shutil.py", "statistics.py",
+            "string.py", "textwrap.py", "threading.py", "timeit.py", "token.py",
+            "tokenize.py", "traceback.py", "types.py", "typing.py", "uuid.py", "warnings.py",
+            "weakref.py", "zipfile.py",
+        ]
+    )
+)
+
+#: Cap on the corpus size in bytes.
+MAX_BYTES = 4 * 1024 * 1024
+
+#: Fraction of the text (at its end) held out for validation.
+VALIDATION_FRACTION = 0.1
+
+VOCAB_SIZE = 256
+
+
+@functools.lru_cache(maxsize=4)
+def corpus_bytes(
+    files: tuple[str, ...] = STDLIB_FILES, max_bytes: int = MAX_BYTES
+) -> tuple[bytes, tuple[str, ...]]:
+    """The corpus text and the files it was made of (those of ``files`` that exist here)."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts: list[bytes] = []
+    used: list[str] = []
+    for rel in sorted(files):
+        path = os.path.join(root, *rel.split("/"))
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                parts.append(fh.read())
+            used.append(rel)
+    if not parts:
+        raise FileNotFoundError(
+            "none of the standard-library corpus files exist under the stdlib directory "
+            f"{root!r}; this Python installation ships no .py sources"
+        )
+    text = b"\n".join(parts)[:max_bytes]
+    return text, tuple(used)
+
+
+class TextCorpus:
+    """Byte-level language-modelling samples from the standard-library corpus.
+
+    Args:
+        block_size: tokens per sample (``x`` and ``y`` both have this length).
+        split: ``"train"`` or ``"validation"`` (``"val"`` is accepted).
+        max_bytes: cap on the whole corpus (both splits).
+
+    ``len(corpus)`` samples; ``corpus[i] -> (x, y)`` 1-D int64 arrays;
+    ``corpus.batch(indices) -> (x, y)`` of shape ``(len(indices), block_size)``.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(
+        self, block_size: int, split: str = "train", *, max_bytes: int = MAX_BYTES
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be a positive integer")
+        if split == "val":
+            split = "validation"
+        if split not in ("train", "validation"):
+            raise ValueError(f"split={split!r} must be 'train' or 'validation'")
+        self.block_size = int(block_size)
+        self.split = split
+        text, self.files = corpus_bytes(STDLIB_FILES, int(max_bytes))
+        self.text = text
+        self.fingerprint = hashlib.sha256(text).hexdigest()
+        data = np.frombuffer(text, dtype=np.uint8)
+        cut = int(math.floor(len(data) * (1.0 - VALIDATION_FRACTION)))
+        self.split_start, self.split_stop = (0, cut) if split == "train" else (cut, len(data))
+        self._all = data
+        self.tokens = data[self.split_start : self.split_stop]
+        n = (len(self.tokens) - 1) // self.block_size
+        if n < 1:
+            raise ValueError(
+                f"block_size={block_size} leaves no sample in the {split} split of "
+                f"{len(self.tokens)} bytes"
+            )
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Start of every sample window, as positions in the whole corpus text."""
+        return self.split_start + np.arange(self._n, dtype=np.int64) * self.block_size
+
+    def _check_indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu":
+            raise ValueError(f"sample indices must be integers, got dtype {idx.dtype}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise ValueError(f"sample index {bad} is out of range for {self._n} samples")
+        return idx.astype(np.int64, copy=False)
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and next-byte targets of samples ``indices``, each ``(n, block_size)``."""
+        idx = self._check_indices(indices).reshape(-1)
+        starts = idx * self.block_size
+        win = starts[:, None] + np.arange(self.block_size + 1)[None, :]
+        chunk = self.tokens[win].astype(np.int64)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.batch(np.array([i]))
+        return x[0], y[0]
+
+    def unigram_baseline(self) -> float:
+        """Entropy (nats) of the byte frequencies of the *train* split.
+
+        The cross-entropy of the best context-free model: a language model that has learned
+        anything beats it on validation data.
+        """
+        cut = int(math.floor(len(self._all) * (1.0 - VALIDATION_FRACTION)))
+        counts = np.bincount(self._all[:cut], minlength=VOCAB_SIZE).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    @staticmethod
+    def encode(text: str) -> np.ndarray:
+        """UTF-8 bytes of ``text`` as token ids."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    @staticmethod
+    def decode(ids: Sequence[int] | np.ndarray) -> str:
+        """Token ids back to text (invalid UTF-8 sequences are replaced)."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+            raise ValueError(f"token ids must be in [0, {VOCAB_SIZE})")
+        return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return (
+            f"TextCorpus(block_size={self.block_size}, split={self.split!r}, samples={self._n}, "
+            f"bytes={len(self.tokens)}, fingerprint={self.fingerprint[:12]})"
+        )

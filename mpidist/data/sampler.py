@@ -1,0 +1,212 @@
+"""World-size-invariant batch sampling.
+
+A run is defined by its global batch size ``B`` and seed. Epoch ``e`` visits the samples in
+the order of a permutation drawn from ``(seed, e)``; step ``k`` of the epoch takes positions
+``[k*B, (k+1)*B)`` of it. Data-parallel rank ``r`` of ``n`` takes the contiguous slice
+``[r*B/n, (r+1)*B/n)`` of that global batch, so concatenating the ranks' slices in rank order
+gives back the global batch exactly, whatever ``n`` is. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GlobalBatchSampler", "micro_batches"]
+
+
+def _nonneg_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{what}={value!r} must be a non-negative integer")
+    return int(value)
+
+
+def micro_batches(indices: np.ndarray, m: int) -> list[np.ndarray]:
+    """Split ``indices`` into ``m`` equal contiguous parts (ValueError if ``m`` doesn't divide)."""
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError(f"number of micro-batches m={m!r} must be a positive integer")
+    n = len(indices)
+    if n % m:
+        raise ValueError(
+            f"a batch of {n} samples cannot be split into m={m} equal micro-batches"
+        )
+    s = n // m
+    return [indices[i * s : (i + 1) * s] for i in range(m)]
+
+
+class GlobalBatchSampler:
+    """Global batches of sample indices that do not depend on the number of ranks.
+
+    Args:
+        n_samples: dataset size.
+        global_batch_size: samples per optimizer step, over all data-parallel ranks.
+        seed: permutation seed; epoch ``e`` uses ``SeedSequence([seed, e])``.
+        drop_last: drop the incomplete last batch of each epoch. With ``False`` the last batch
+            is filled up by wrapping around to the start of the same epoch's permutation, so
+            every batch has exactly ``global_batch_size`` samples.
+        shuffle: permute each epoch (``False``: samples in index order, for evaluation).
+
+    ``step`` below is the global optimizer step counted from the start of the run (epochs
+    follow one another). The sampler also keeps a position (epoch, step, samples_seen) that
+    iteration advances and :meth:`state_dict` / :meth:`load_state_dict` save and restore.
+    """
+
+    def __init__(
+        self,
+        n_samples: int,
+        global_batch_size: int,
+        seed: int = 0,
+        drop_last: bool = True,
+        *,
+        shuffle: bool = True,
+    ) -> None:
+        self.n_samples = _nonneg_int(n_samples, "n_samples")
+        self.global_batch_size = _nonneg_int(global_batch_size, "global_batch_size")
+        if self.global_batch_size == 0:
+            raise ValueError("global_batch_size=0 must be a positive integer")
+        self.seed = _nonneg_int(seed, "seed")
+        self.drop_last = bool(drop_last)
+        self.shuffle = bool(shuffle)
+        if self.drop_last and self.n_samples < self.global_batch_size:
+            raise ValueError(
+                f"n_samples={self.n_samples} is smaller than global_batch_size="
+                f"{self.global_batch_size}, so drop_last=True leaves no batch"
+            )
+        if self.n_samples == 0:
+            raise ValueError("n_samples=0: the dataset is empty")
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+        self.step = 0  # next global step the iterator yields
+
+    # -- pure functions of (seed, step) ------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch."""
+        b = self.global_batch_size
+        return self.n_samples // b if self.drop_last else -(-self.n_samples // b)
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch global step ``step`` belongs to."""
+        return _nonneg_int(step, "step") // self.steps_per_epoch
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Order in which epoch ``epoch`` visits the samples."""
+        epoch = _nonneg_int(epoch, "epoch")
+        if epoch != self._perm_epoch:
+            if self.shuffle:
+                rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+                self._perm = rng.permutation(self.n_samples).astype(np.int64)
+            else:
+                self._perm = np.arange(self.n_samples, dtype=np.int64)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sample indices of global step ``step`` (``global_batch_size`` of them)."""
+        step = _nonneg_int(step, "step")
+        spe = self.steps_per_epoch
+        epoch, k = divmod(step, spe)
+        perm = self.permutation(epoch)
+        b = self.global_batch_size
+        lo, hi = k * b, (k + 1) * b
+        if hi <= self.n_samples:
+            return perm[lo:hi].copy()
+        # Last batch with drop_last=False: wrap around within the epoch's permutation.
+        return np.take(perm, np.arange(lo, hi) % self.n_samples)
+
+    def check_dp_size(self, dp_size: int) -> int:
+        """Validate that ``dp_size`` ranks can share every global batch equally."""
+        if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
+            raise ValueError(f"dp_size={dp_size!r} must be a positive integer")
+        if self.global_batch_size % dp_size:
+            raise ValueError(
+                f"global batch size B={self.global_batch_size} is not divisible by "
+                f"dp_size={dp_size}: every data-parallel rank needs an equal slice of the "
+                "global batch; choose B as a multiple of the data-parallel size"
+            )
+        return int(dp_size)
+
+    def local_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
+        """Rank ``dp_rank``'s contiguous slice of global step ``step`` (B / dp_size samples)."""
+        dp_size = self.check_dp_size(dp_size)
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)):
+            raise ValueError(f"dp_rank={dp_rank!r} must be an integer")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside a data-parallel group of {dp_size}")
+        s = self.global_batch_size // dp_size
+        return self.global_indices(step)[dp_rank * s : (dp_rank + 1) * s]
+
+    micro_batches = staticmethod(micro_batches)
+
+    # -- position and iteration --------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next step."""
+        return self.step // self.steps_per_epoch
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples consumed so far (steps taken times the global batch size)."""
+        return self.step * self.global_batch_size
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Yield global batches from the current position on, forever; advances the position."""
+        while True:
+            yield self.next_global()
+
+    def next_global(self) -> np.ndarray:
+        """The global batch at the current position; advances the position by one step."""
+        out = self.global_indices(self.step)
+        self.step += 1
+        return out
+
+    def next_local(self, dp_rank: int, dp_size: int) -> np.ndarray:
+        """This rank's slice of the batch at the current position; advances the position."""
+        out = self.local_indices(self.step, dp_rank, dp_size)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and identity of the sampler (plain ints/bools: fits JSON and HDF5 attrs)."""
+        return {
+            "n_samples": self.n_samples,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the position in ``state``; ``ValueError`` if it came from another run shape."""
+        for key in ("n_samples", "global_batch_size", "seed", "drop_last", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has "
+                    f"{key}={getattr(self, key)!r}"
+                )
+        if "step" not in state:
+            raise ValueError("sampler state has no 'step'")
+        step = _nonneg_int(state["step"], "step")
+        if "epoch" in state and int(state["epoch"]) != step // self.steps_per_epoch:
+            raise ValueError(
+                f"sampler state epoch={state['epoch']} is inconsistent with step={step} "
+                f"({self.steps_per_epoch} steps per epoch)"
+            )
+        if "samples_seen" in state and int(state["samples_seen"]) != step * self.global_batch_size:
+            raise ValueError(
+                f"sampler state samples_seen={state['samples_seen']} is inconsistent with "
+                f"step={step} and global_batch_size={self.global_batch_size}"
+            )
+        self.step = step
+
+    def __repr__(self) -> str:
+        return (
+            f"GlobalBatchSampler(n_samples={self.n_samples}, global_batch_size="
+            f"{self.global_batch_size}, seed={self.seed}, drop_last={self.drop_last}, "
+            f"step={self.step})"
+        )

@@ -1,0 +1,391 @@
+"""Layers with explicit backward: Linear, Embedding, LayerNorm, activations, Dropout, containers.
+
+Conventions: the last axis is the feature axis; every leading axis is a batch axis. Outputs
+have the dtype of the bound parameters (float inputs are cast to it), so a float32 model runs
+in float32 end to end. Constants are Python floats so NumPy never promotes float32 arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Iterator
+
+import numpy as np
+
+from .fused import gelu_tanh_backward
+from .init import fan_in_bound, init_generator
+from .module import Module
+
+__all__ = [
+    "GELU",
+    "Dense",
+    "Dropout",
+    "Embedding",
+    "Identity",
+    "LayerNorm",
+    "Linear",
+    "ModuleList",
+    "ReLU",
+    "Sequential",
+    "Tanh",
+    "check_features",
+    "gelu_tanh",
+]
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what}={value!r} must be a positive integer")
+    return int(value)
+
+
+def check_features(x: np.ndarray, n: int, who: str, what: str = "in_features") -> None:
+    """Raise ``ValueError`` unless the last axis of ``x`` has length ``n``."""
+    if x.ndim < 1 or x.shape[-1] != n:
+        raise ValueError(f"{who}: input of shape {x.shape} does not end in {what}={n}")
+
+
+def _float_input(x: object, dtype: np.dtype, who: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub":
+        raise ValueError(f"{who}: input dtype {arr.dtype} is not numeric")
+    return arr.astype(dtype, copy=False)
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with ``weight`` of shape ``(in_features, out_features)``.
+
+    The (in, out) layout is GPT-2's Conv1D layout: no transpose in forward, and a
+    column-parallel split (of ``out_features``) is a split of the last axis.
+
+    Args:
+        in_features, out_features: sizes of the last axis of input and output.
+        bias: whether to add a bias (initialised to zero).
+        init: ``"normal"`` (std ``scale``) or ``"uniform"`` (half-width ``scale``; default
+            ``1/sqrt(in_features)`` when ``scale`` is None).
+        scale: std or half-width of the weight init; default 0.02 for ``"normal"``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        init: str = "normal",
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = _positive_int(in_features, "in_features")
+        self.out_features = _positive_int(out_features, "out_features")
+        self.has_bias = bool(bias)
+        if scale is None:
+            scale = 0.02 if init == "normal" else fan_in_bound(self.in_features)
+        self.register_parameter("weight", (self.in_features, self.out_features), init, scale)
+        if self.has_bias:
+            self.register_parameter("bias", (self.out_features,), "zeros", 0.0)
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        w = self.param("weight")
+        x = _float_input(x, w.dtype, self.name)
+        check_features(x, self.in_features, self.name)
+        y = x @ w
+        if self.has_bias:
+            y += self.param("bias")
+        self._save(ctx, x)
+        return y
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = self._take(ctx)
+        w = self.param("weight")
+        if dy.shape != x.shape[:-1] + (self.out_features,):
+            raise ValueError(
+                f"{self.name}: output gradient of shape {dy.shape}, expected "
+                f"{x.shape[:-1] + (self.out_features,)}"
+            )
+        x2 = x.reshape(-1, self.in_features)
+        dy2 = dy.reshape(-1, self.out_features)
+        self.grad("weight")[...] += x2.T @ dy2
+        if self.has_bias:
+            self.grad("bias")[...] += dy2.sum(axis=0)
+        return dy @ w.T
+
+
+class Embedding(Module):
+    """Lookup table ``weight[ids]`` of shape ``(num_embeddings, embedding_dim)``.
+
+    Inputs are integer ids in ``[0, num_embeddings)``; anything else raises ``ValueError``
+    naming the bad value. Backward returns ``None`` (ids have no gradient).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float = 0.02) -> None:
+        super().__init__()
+        self.num_embeddings = _positive_int(num_embeddings, "num_embeddings")
+        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim")
+        self.register_parameter(
+            "weight", (self.num_embeddings, self.embedding_dim), "normal", scale
+        )
+
+    def check_ids(self, ids: object) -> np.ndarray:
+        """``ids`` as an integer array; ``ValueError`` for non-integers or ids out of range."""
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{self.name}: ids must be integers, got dtype {arr.dtype}")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0:
+                raise ValueError(f"{self.name}: id {lo} is negative")
+            if hi >= self.num_embeddings:
+                raise ValueError(
+                    f"{self.name}: id {hi} is out of range for "
+                    f"num_embeddings={self.num_embeddings}"
+                )
+        return arr
+
+    def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        w = self.param("weight")
+        arr = self.check_ids(ids)
+        self._save(ctx, arr)
+        return w[arr]
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
+        ids = self._take(ctx)
+        if dy.shape != ids.shape + (self.embedding_dim,):
+            raise ValueError(
+                f"{self.name}: output gradient of shape {dy.shape}, expected "
+                f"{ids.shape + (self.embedding_dim,)}"
+            )
+        g = self.grad("weight")
+        flat_ids = ids.reshape(-1)
+        dy2 = dy.reshape(-1, self.embedding_dim)
+        if self.num_embeddings <= 4096 and flat_ids.size >= self.num_embeddings:
+            # Small vocabulary: a one-hot matmul runs in BLAS and beats np.add.at's scatter.
+            onehot = np.zeros((self.num_embeddings, flat_ids.size), dtype=g.dtype)
+            onehot[flat_ids, np.arange(flat_ids.size)] = 1
+            g += onehot @ dy2
+        else:
+            np.add.at(g, flat_ids, dy2)
+        return None
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last axis; learned ``weight`` (ones) and ``bias`` (zeros)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = _positive_int(dim, "dim")
+        self.eps = float(eps)
+        self.register_parameter("weight", (self.dim,), "ones", 1.0)
+        self.register_parameter("bias", (self.dim,), "zeros", 0.0)
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        w = self.param("weight")
+        x = _float_input(x, w.dtype, self.name)
+        check_features(x, self.dim, self.name, "dim")
+        mu = x.mean(axis=-1, keepdims=True)
+        xc = x - mu
+        var = np.mean(xc * xc, axis=-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(var + self.eps)
+        xhat = xc
+        xhat *= rstd
+        self._save(ctx, (xhat, rstd))
+        return xhat * w + self.param("bias")
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        xhat, rstd = self._take(ctx)
+        w = self.param("weight")
+        dy2 = dy.reshape(-1, self.dim)
+        self.grad("weight")[...] += np.einsum("ij,ij->j", dy2, xhat.reshape(-1, self.dim))
+        self.grad("bias")[...] += dy2.sum(axis=0)
+        dxhat = dy * w
+        m1 = dxhat.mean(axis=-1, keepdims=True)
+        m2 = np.mean(dxhat * xhat, axis=-1, keepdims=True)
+        dx = dxhat - m1
+        dx -= xhat * m2
+        dx *= rstd
+        return dx
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+def gelu_tanh(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GELU with GPT-2's tanh approximation; returns ``(y, tanh_term)`` (backward reuses it)."""
+    t = x * x
+    t *= _GELU_A
+    t += 1.0
+    t *= x
+    t *= _GELU_C
+    np.tanh(t, out=t)
+    y = t + 1.0
+    y *= x
+    y *= 0.5
+    return y, t
+
+
+class GELU(Module):
+    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` — the GPT-2 approximation."""
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = np.asarray(x)
+        y, t = gelu_tanh(x)
+        self._save(ctx, (x, t))
+        return y
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x, t = self._take(ctx)
+        return gelu_tanh_backward(x, t, dy)
+
+
+class ReLU(Module):
+    """``max(x, 0)``."""
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = np.asarray(x)
+        mask = x > 0
+        self._save(ctx, mask)
+        return x * mask
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        return dy * self._take(ctx)
+
+
+class Tanh(Module):
+    """``tanh(x)``."""
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        y = np.tanh(np.asarray(x))
+        self._save(ctx, y)
+        return y
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        y = self._take(ctx)
+        return dy * (1.0 - y * y)
+
+
+class Identity(Module):
+    """``y = x``."""
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        return x
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        return dy
+
+
+class Dropout(Module):
+    """Inverted dropout with probability ``p``; identity when ``p == 0`` or in eval mode.
+
+    Masks come from a generator seeded by ``(seed, module name)``, so a run is reproducible:
+    the k-th training forward of a given module draws the same mask in every run. Masks are
+    drawn per local batch, so with ``p > 0`` results depend on how the global batch is split
+    over ranks (models default to ``p = 0``).
+    """
+
+    def __init__(self, p: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= float(p) < 1.0:
+            raise ValueError(f"dropout p={p} must be in [0, 1)")
+        self.p = float(p)
+        self.seed = int(seed)
+        self._rng: np.random.Generator | None = None
+
+    def reset_rng(self, seed: int | None = None) -> None:
+        """Restart the mask sequence (from ``seed`` if given)."""
+        if seed is not None:
+            self.seed = int(seed)
+        self._rng = None
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = np.asarray(x)
+        if not self.training or self.p == 0.0:
+            self._save(ctx, None)
+            return x
+        if self._rng is None:
+            self._rng = init_generator(f"{self.prefix}dropout", self.seed)
+        keep = self._rng.random(x.shape) >= self.p
+        mask = keep.astype(x.dtype)
+        mask *= 1.0 / (1.0 - self.p)
+        self._save(ctx, mask)
+        return x * mask
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        mask = self._take(ctx)
+        return dy if mask is None else dy * mask
+
+
+class Dense(Linear):
+    """``activation(x @ weight + bias)``: one unit of an MLP (parameters ``weight``, ``bias``).
+
+    ``activation`` is ``"relu"``, ``"tanh"``, ``"gelu"`` or ``None``. Weights are uniform in
+    ``±1/sqrt(in_features)``, biases zero.
+    """
+
+    _ACTS = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
+
+    def __init__(self, in_features: int, out_features: int, activation: str | None = "relu"):
+        super().__init__(in_features, out_features, True, init="uniform")
+        if activation is not None and activation not in self._ACTS:
+            raise ValueError(f"activation={activation!r} is not one of {sorted(self._ACTS)}")
+        self.activation = activation
+        self._act: Module | None = None if activation is None else self._ACTS[activation]()
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        y = super().forward(x, ctx)
+        return y if self._act is None else self._act.forward(y, ctx)
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        if self._act is not None:
+            dy = self._act.backward(dy, ctx)
+        return super().backward(dy, ctx)
+
+
+class Sequential(Module):
+    """Runs its children in order (named ``"0"``, ``"1"``, ...); backward in reverse."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise ValueError(f"Sequential item {i} is a {type(m).__name__}, not a Module")
+            setattr(self, str(i), m)
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._children.values())[i]
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._children.values())
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        for m in self._children.values():
+            x = m.forward(x, ctx)
+        return x
+
+    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        for m in reversed(self._children.values()):
+            dy = m.backward(dy, ctx)
+        return dy
+
+
+class ModuleList(Module):
+    """An indexable list of submodules (named ``"0"``, ``"1"``, ...) with no forward."""
+
+    def __init__(self, modules: Iterable[Module] = ()) -> None:
+        super().__init__()
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise ValueError(f"ModuleList item {i} is a {type(m).__name__}, not a Module")
+            setattr(self, str(i), m)
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._children.values())[i]
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._children.values())
