@@ -1,0 +1,163 @@
+"""Fused optimizer kernels against the memory-bandwidth limit, NumPy and torch, in one run.
+
+    python benchmarks/optimizer_kernels.py [--n 16777216] [--repeats 10] [--dtype float32]
+
+The bandwidth limit is measured in the same run with a STREAM-triad-like Numba kernel
+``a[i] = b[i] + s*c[i]`` (12 bytes/element in float32), and the same kernel in place
+(``a[i] = a[i] + s*c[i]``): the plain triad also pays a hidden write-allocate read of ``a``
+that the optimizer kernels (which read every array they write) do not, so the faster of the
+two is taken as the limit. Bytes are counted as 4 (or 8) per
+array element read and per element written: Adam/AdamW read p, g, m, v and write p, m, v
+(28 bytes/element in float32), SGD with momentum reads p, g, buf and writes p, buf (20).
+The NumPy baseline is the same algorithm written with NumPy array operations (unfused: one
+pass per operation, temporaries allocated). torch.optim's fused implementations are timed
+when torch is importable. Threads: whatever NUMBA_NUM_THREADS says. Single process, not MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+import mpidist.optim as optim
+from mpidist.kernels import cpu
+
+
+def timeit(fn: Callable[[], object], repeats: int) -> float:
+    """Best (as STREAM reports) seconds of ``repeats`` calls after one warm-up call: the
+    machine may be shared, and the minimum is the least disturbed measurement."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def numpy_adam(p, g, m, v, state, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, decoupled=False):
+    """Adam/AdamW as separate NumPy operations (what one writes without a fused kernel)."""
+    state["step"] += 1
+    t = state["step"]
+    if decoupled:
+        p *= 1 - lr * wd
+    elif wd:
+        g = g + wd * p
+    m *= b1
+    m += (1 - b1) * g
+    v *= b2
+    v += (1 - b2) * g * g
+    denom = np.sqrt(v)
+    denom /= (1 - b2**t) ** 0.5
+    denom += eps
+    p -= (lr / (1 - b1**t)) * (m / denom)
+
+
+def numpy_sgd_momentum(p, g, buf, lr=1e-3, mu=0.9):
+    buf *= mu
+    buf += g
+    p -= lr * buf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=16 * 1024 * 1024)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    args = ap.parse_args()
+    n, dt = args.n, np.dtype(args.dtype)
+    width = dt.itemsize
+    rng = np.random.default_rng(0)
+
+    def arr() -> np.ndarray:
+        return rng.standard_normal(n).astype(dt)
+
+    rows: list[tuple[str, float, int, str | None, str | None]] = []  # name, s, bytes, np, torch
+    times: dict[str, float] = {}
+
+    def bench_triad() -> None:
+        a, b, c = arr(), arr(), arr()
+        s = dt.type(0.5)
+        times["triad"] = timeit(lambda: cpu.triad(a, b, c, s), args.repeats)
+        # In place (a = a + s*c): the written array is also read, as in the optimizer kernels,
+        # so no write-allocate traffic hides behind the 12 counted bytes.
+        times["triad in place"] = timeit(lambda: cpu.triad(a, a, c, s), args.repeats)
+
+    def bench_mpidist_and_numpy() -> None:
+        for name, opt in (
+            ("adam", optim.Adam()),
+            ("adamw", optim.AdamW()),
+            ("sgd", optim.SGD(momentum=0.9)),
+        ):
+            st = opt.init_state(p)
+            times[name] = timeit(lambda opt=opt, st=st: opt.update(p, g, st), args.repeats)
+        m, v, buf, np_state = np.zeros(n, dt), np.zeros(n, dt), np.zeros(n, dt), {"step": 0}
+        times["numpy adam"] = timeit(lambda: numpy_adam(p, g, m, v, np_state), args.repeats)
+        times["numpy adamw"] = timeit(
+            lambda: numpy_adam(p, g, m, v, np_state, wd=1e-2, decoupled=True), args.repeats
+        )
+        times["numpy sgd"] = timeit(lambda: numpy_sgd_momentum(p, g, buf), args.repeats)
+
+    p, g = arr(), arr()
+    bench_triad()
+    rows.append(("stream triad a=b+s*c", times["triad"], 3 * width, None, None))
+    rows.append(("stream triad in place a=a+s*c", times["triad in place"], 3 * width, None, None))
+    bench_mpidist_and_numpy()
+
+    torch_version = None
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        tdt = getattr(torch, args.dtype)
+        tp = torch.nn.Parameter(torch.from_numpy(p.copy()).to(tdt))
+        tp.grad = torch.from_numpy(g.copy()).to(tdt)
+        for key, make in (
+            ("torch adamw", lambda: torch.optim.AdamW([tp], fused=True)),
+            ("torch adam", lambda: torch.optim.Adam([tp], fused=True)),
+            ("torch sgd", lambda: torch.optim.SGD([tp], lr=1e-3, momentum=0.9, fused=True)),
+        ):
+            try:
+                topt = make()
+                times[key] = timeit(topt.step, args.repeats)
+            except (RuntimeError, TypeError, ValueError) as e:  # fused CPU needs torch >= 2.4
+                print(f"{key}: not available ({e})")
+    except ImportError:
+        pass
+
+    for name, label, nbytes in (
+        ("adam", "mpidist Adam (fused)", 7 * width),
+        ("adamw", "mpidist AdamW (fused)", 7 * width),
+        ("sgd", "mpidist SGD momentum (fused)", 5 * width),
+    ):
+        rows.append((label, times[name], nbytes, f"numpy {name}", f"torch {name}"))
+    for name, nbytes in (("numpy adam", 7), ("numpy adamw", 7), ("numpy sgd", 5)):
+        rows.append((f"NumPy {name.split()[1]} (unfused)", times[name], nbytes * width, None, None))
+    for name, nbytes in (("torch adam", 7), ("torch adamw", 7), ("torch sgd", 5)):
+        if name in times:
+            rows.append((f"torch {name.split()[1]} fused=True", times[name], nbytes * width, None,
+                         None))
+
+    # The limit is the faster of the two triads (bytes/second as counted above).
+    limit = 3 * width * n / min(times["triad"], times["triad in place"])
+    print(
+        f"n={n} {dt}, NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}, "
+        f"numba {numba.__version__}, numpy {np.__version__}, torch {torch_version or 'absent'}"
+    )
+    header = f"{'kernel':34s} {'ms':>8s} {'GB/s':>7s} {'% BW':>6s} {'x NumPy':>8s} {'x torch':>8s}"
+    print(header)
+    print("-" * len(header))
+    for label, sec, nbytes, np_key, torch_key in rows:
+        gbs = nbytes * n / sec / 1e9
+        x_np = f"{times[np_key] / sec:8.2f}" if np_key in times else f"{'-':>8s}"
+        x_t = f"{times[torch_key] / sec:8.2f}" if torch_key in times else f"{'-':>8s}"
+        pct = 100 * gbs * 1e9 / limit
+        print(f"{label:34s} {sec * 1e3:8.2f} {gbs:7.2f} {pct:6.1f} {x_np} {x_t}")
+
+
+if __name__ == "__main__":
+    main()
