@@ -1,0 +1,38 @@
+"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP) and their configuration."""
+
+from mpidist.parallel.config import ShardingConfiguration
+from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
+from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
+from mpidist.parallel.zero import (
+    FSDPModel,
+    FSDPOptimizer,
+    ZeRO2Model,
+    ZeRO2Optimizer,
+    ZeRO3Model,
+    ZeRO3Optimizer,
+)
+
+STRATEGIES: dict[str, type[ShardedOptimizer]] = {
+    "ddp": DDPOptimizer,
+    "zero1": ZeRO1Optimizer,
+    "zero2": ZeRO2Optimizer,
+    "zero3": ZeRO3Optimizer,
+}
+
+__all__ = [
+    "STRATEGIES",
+    "DDPModel",
+    "DDPOptimizer",
+    "FSDPModel",
+    "FSDPOptimizer",
+    "OptimizationResult",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "ShardingConfiguration",
+    "ZeRO1Model",
+    "ZeRO1Optimizer",
+    "ZeRO2Model",
+    "ZeRO2Optimizer",
+    "ZeRO3Model",
+    "ZeRO3Optimizer",
+]

@@ -1,0 +1,102 @@
+"""ShardingConfiguration: how a strategy communicates, as one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ShardingConfiguration"]
+
+_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ShardingConfiguration:
+    """Settings shared by every strategy. Unknown fields are rejected with a ValueError.
+
+    Attributes:
+        mesh: the :class:`~mpidist.mesh.ProcessMesh` to run on; None means a mesh over
+            ``MPI.COMM_WORLD`` with every rank data-parallel, built when a strategy starts.
+        bucket_mb: gradient bucket size in MiB (DDP, ZeRO-1).
+        overlap: start each bucket's nonblocking allreduce as soon as backward has
+            filled it (else all buckets are reduced after backward).
+        max_grad_norm: clip gradients to this global L2 norm; None turns clipping off.
+        micro_batches: micro-batches per step (gradient accumulation); the local batch
+            must divide by it.
+        dtype: parameter, gradient and optimizer-state dtype, "float32" or "float64".
+        auto_sync_gradients: whether the wrapped model's ``backward`` synchronises
+            gradients by itself (DDPModel); when False the caller calls ``sync_gradients``.
+        prefetch: ZeRO-3 starts the allgather of the next unit while the current one runs.
+    """
+
+    mesh: Any = None
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    max_grad_norm: float | None = None
+    micro_batches: int = 1
+    dtype: str = "float32"
+    auto_sync_gradients: bool = True
+    prefetch: bool = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ShardingConfiguration:
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise ValueError(
+                f"ShardingConfiguration: unknown field {unknown[0]}={kwargs[unknown[0]]!r}; "
+                f"known fields: {', '.join(known)}"
+            )
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        b = self.bucket_mb
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or b <= 0:
+            raise ValueError(f"bucket_mb={b!r} must be a positive number")
+        m = self.micro_batches
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"micro_batches={m!r} must be a positive integer")
+        c = self.max_grad_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not math.isfinite(c) or c <= 0):
+            raise ValueError(f"max_grad_norm={c!r} must be a positive number or None")
+        dt = np.dtype(self.dtype).name if isinstance(self.dtype, (type, np.dtype)) \
+            else self.dtype
+        if dt not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        object.__setattr__(self, "dtype", dt)
+        for name in ("overlap", "auto_sync_gradients", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bucket size in bytes."""
+        return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> ShardingConfiguration:
+        """A copy with some fields changed (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def for_high_bandwidth(cls, **overrides: Any) -> ShardingConfiguration:
+        """Fast interconnect (NVLink, InfiniBand, shared memory): big buckets, overlap on."""
+        return cls(**{"bucket_mb": 50.0, "overlap": True, "prefetch": True, **overrides})
+
+    @classmethod
+    def for_low_bandwidth(cls, **overrides: Any) -> ShardingConfiguration:
+        """Slow network (Ethernet between nodes): fewer, larger messages; accumulate more
+        micro-batches per exchange."""
+        return cls(**{"bucket_mb": 200.0, "overlap": True, "micro_batches": 4, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields except the mesh, as plain values (for checkpoint attributes)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
