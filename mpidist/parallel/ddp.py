@@ -95,12 +95,16 @@ class DDPModel(ShardedModel):
             self.sync_gradients()
 
     def sync_gradients(self) -> None:
-        """Start the allreduce of every bucket not yet started. Collective over dp."""
-        for i in range(len(self.buckets)):
-            self._start_bucket(i)
+        """Reduce every bucket not yet started, with blocking allreduces (Open MPI's
+        blocking collectives are tuned better than its nonblocking ones, so without
+        overlap there is nothing to gain from nonblocking calls). Collective over dp."""
+        for i, b in enumerate(self.buckets):
+            if i not in self._pending:
+                C.allreduce(self.grads[b.start:b.stop], "sum", comm=self.comm)
+                self._pending[i] = C.Request([], None)
 
     def finish_gradient_sync(self) -> None:
-        """Wait for every started bucket (starting any that were not). Collective over dp."""
+        """Wait for every started bucket (reducing any that were not). Collective over dp."""
         if self.dp_size > 1:
             self.sync_gradients()
         C.wait_all(list(self._pending.values()))

@@ -453,6 +453,29 @@ class ShardedOptimizer:
         result.seconds = time.perf_counter() - t0
         return result
 
+    def evaluate(self, model: Any, data: Any, *, batches: int, global_batch_size: int,
+                 seed: int = 0) -> float:
+        """Mean loss over ``batches`` fixed global batches of ``data`` (no update).
+
+        Collective over the dp group; the same batches at every data-parallel size (they
+        come from a sampler seeded with ``seed``), so validation losses are comparable
+        across runs and world sizes.
+        """
+        from mpidist.data import GlobalBatchSampler
+
+        model = self._resolve(model)
+        sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
+        total = np.zeros(1)
+        for step in range(batches):
+            x, y = data.batch(sampler.local_indices(step, model.dp_rank, model.dp_size))
+            normalizer = self._count(y, self.loss) * model.dp_size * batches
+            out = model.forward(x, ctx="eval")
+            total[0] += self.loss.forward(out, y, normalizer=normalizer, ctx="eval")
+            model.module.clear_cache()
+            self.loss.clear_cache()
+        C.allreduce(total, "sum", comm=model.comm)
+        return float(total[0])
+
     # -- state ------------------------------------------------------------------------------
     def _require_model(self) -> ShardedModel:
         if self.model is None or self.state is None:
