@@ -39,7 +39,7 @@ MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim warm bench docs clean
 
 help:
-	@echo "make run    - the main job: 4-rank demo/training run, outputs under runs/"
+	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
 	@echo "make test   - ruff, serial tests, MPI tests at 2, 3 and 4 ranks, CUDA-simulator tests"
 	@echo "make bench  - benchmarks (ratios against the limit or a peer, same run)"
 	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
@@ -72,12 +72,13 @@ $(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml
 	  CC=mpicc HDF5_MPI=ON HDF5_DIR=$(HDF5_DIR) $(PY) -m pip install -q --no-binary=h5py \
 	    --no-build-isolation --force-reinstall --no-deps h5py; \
 	fi
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress]"
 	$(PY) -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI'"
 	@touch $@
 
-run: $(DEPS_STAMP)
-	$(MPIEXEC) -n $(NP) $(BIN)/mpidist demo --out runs/demo
+run: warm
+	$(MPIEXEC) -n $(NP) $(BIN)/mpidist train --out runs/train $(RUN_ARGS)
+	$(BIN)/mpidist sample runs/train --prompt "def main(" --tokens 160
 
 lint: $(DEPS_STAMP)
 	$(BIN)/ruff check mpidist tests benchmarks

@@ -65,6 +65,18 @@ def _gather_json(obj: object, comm: object) -> list:
     return rows
 
 
+def _rank() -> int:
+    """This process's rank, without starting MPI just to ask."""
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized():
+            return MPI.COMM_WORLD.Get_rank()
+    from mpidist.launch.env import launcher_from_env
+
+    return launcher_from_env()["rank"] or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpidist`` command."""
     p = argparse.ArgumentParser(
@@ -76,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print what each rank sees: MPI, HDF5, Numba/CUDA, ranks")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_cmd_env)
-    from mpidist import demo
+    from mpidist import demo, tools_cli, train
 
+    train.add_parser(sub)
+    tools_cli.add_parsers(sub)
     demo.add_parser(sub)
     return p
 
@@ -92,7 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mpidist.launch import abort_on_failure
 
     with abort_on_failure():
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except ValueError as exc:
+            # Bad input: a message naming the value, not a traceback. Every rank validates
+            # the same input, so every rank says the same; under MPI the job then aborts.
+            rank = _rank()
+            prefix = "" if rank == 0 else f"[rank {rank}] "
+            sys.stderr.write(f"{prefix}mpidist {args.command}: error: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -125,13 +125,6 @@ class DDPModel(ShardedModel):
         for name, arr in params.items():
             views[name][...] = arr
 
-    def parameter_pieces(self) -> list[tuple[str, slice, np.ndarray]]:
-        """This rank's share of every tensor, for writing each element once (checkpoints).
-
-        Replicated storage is split like ZeRO's shards: rank r owns its shard of each unit.
-        """
-        return _owned_pieces(self, self.params)
-
 
 class ZeRO1Model(DDPModel):
     """DDP's replicated parameters and allreduced gradients, with the optimizer state
@@ -156,17 +149,6 @@ class ZeRO1Model(DDPModel):
         reqs = [C.iallgather_inplace(self.layout.unit_full(u, self.params), comm=self.comm)
                 for u in range(len(self.layout.units))]
         C.wait_all(reqs)
-
-
-def _owned_pieces(model: ShardedModel, full: np.ndarray) -> list[tuple[str, slice, np.ndarray]]:
-    out = []
-    lay = model.layout
-    for name, in_tensor, in_local in lay.local_pieces():
-        u = lay.unit_of(name)
-        span = lay.units[u]
-        start = span.full_offset + model.dp_rank * span.shard + (in_local.start - span.local_offset)
-        out.append((name, in_tensor, full[start:start + (in_local.stop - in_local.start)]))
-    return out
 
 
 class DDPOptimizer(ShardedOptimizer):

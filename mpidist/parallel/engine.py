@@ -20,6 +20,7 @@ Gradients are therefore summed, not averaged, over the data-parallel group.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class ShardedModel:
     strategy: ClassVar[str] = ""
     #: whether the optimizer state covers only this rank's shard
     shards_state: ClassVar[bool] = True
+    #: whether the parameters are stored as this rank's shard only (ZeRO-3)
+    shards_params: ClassVar[bool] = False
 
     def __init__(self, module: Any, config: ShardingConfiguration | None = None, *,
                  seed: int = 0) -> None:
@@ -229,6 +232,33 @@ class ShardedModel:
             return
         for u in range(len(self.layout.units)):
             self.layout.unit_local(u, local)[:] = self.layout.unit_shard_of_full(u, full)
+
+    @property
+    def parameter_storage(self) -> np.ndarray:
+        """The flat array holding this rank's parameters (full layout, or local shard)."""
+        return self.param_shard if self.shards_params else self.params  # type: ignore
+
+    def tensor_pieces(self, array: np.ndarray, *, sharded: bool, owned: bool
+                      ) -> list[tuple[str, slice, np.ndarray]]:
+        """``(name, flat slice of the tensor, 1-D view of array)`` for named global tensors.
+
+        ``array`` is a local-shard array (``sharded``) or a full-layout one. With ``owned``
+        a full-layout array yields only this rank's share (its shard of each unit), so the
+        ranks together cover every element once (for writing a checkpoint); without it,
+        every element (for reading into replicated storage). Not collective.
+        """
+        lay = self.layout
+        if sharded:
+            return [(n, ts, array[ls]) for n, ts, ls in lay.local_pieces()]
+        if owned:
+            out = []
+            for name, ts, ls in lay.local_pieces():
+                span = lay.units[lay.unit_of(name)]
+                start = span.full_offset + self.dp_rank * span.shard + ls.start - span.local_offset
+                out.append((name, ts, array[start:start + (ls.stop - ls.start)]))
+            return out
+        return [(n, slice(0, s.size), array[s.offset:s.stop])
+                for n in lay.names for s in (lay.spec(n),)]
 
     def memory_report(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients, and the peak working set."""
@@ -570,6 +600,31 @@ class ShardedOptimizer:
                 self._data_state = dict(data)
         for _, _, st in self._pieces:
             st.step = self.state.step
+
+    def save(self, path: str, *, keep: int | None = None,
+             extra: dict[str, Any] | None = None) -> str:
+        """Save model and optimizer state as one parallel-HDF5 checkpoint at ``path``.
+
+        Collective over the model's mesh (every rank). Each rank writes its own elements of
+        the global named tensors; the file is written under a temporary name and renamed
+        when complete, and the directory's ``latest`` pointer moves to it. Delegates to
+        :func:`mpidist.checkpoint.training.save_training` (imported on call: the checkpoint
+        layer sits above the strategies).
+        """
+        from mpidist.checkpoint.training import save_training
+
+        model = self._require_model()
+        assert self.state is not None
+        return save_training(os.path.dirname(os.path.abspath(path)), self, step=self.state.step,
+                             keep=keep, comm=model.mesh.comm, extra=extra, path=path)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Load a checkpoint saved by any strategy at any world size or mesh. Collective
+        over the model's mesh; returns the checkpoint's attributes."""
+        from mpidist.checkpoint.training import load_training
+
+        model = self._require_model()
+        return load_training(path, self, comm=model.mesh.comm)
 
     def serialize(self) -> bytes:
         """The whole training state as self-describing bytes (no pickle). Collective."""

@@ -157,6 +157,7 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
 
     strategy = "zero3"
     shards_state = True
+    shards_params = True
 
     def _allocate(self) -> None:
         if not _has_units(self.module):

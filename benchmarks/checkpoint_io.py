@@ -1,0 +1,157 @@
+"""Checkpoint save/load throughput next to raw file I/O of the same bytes, in the same run.
+
+    mpiexec -n 4 python benchmarks/checkpoint_io.py [--size-mb 1024] [--tensors 300]
+        [--dir DIR] [--repeats 3] [--json FILE]
+
+State: ``--size-mb`` of float32 split into ``--tensors`` tensors with odd shapes, grouped
+into units and sharded over the ranks with ``ShardedLayout`` (ZeRO-style pieces that do not
+align with rows). Per repetition it times, with a Barrier before and after each:
+
+* raw write: every rank ``tofile`` of its shard's bytes to its own file, then ``fsync``;
+* save: :func:`save_checkpoint` (checksums, parallel HDF5 or the serial fallback, fsync,
+  atomic rename, ``latest`` pointer);
+* raw read: every rank ``fromfile`` of its file;
+* load: :func:`read_pieces` of the same pieces, with and without checksum verification.
+
+Before the reads every rank asks the kernel to evict the files from the page cache with
+``posix_fadvise(DONTNEED)`` (the written pages are clean after fsync). That is best effort:
+on some file systems, or with little memory pressure, reads may still be served from page
+cache, for the raw read and the load alike. Throughput is total bytes over the slowest
+rank's time; the ratio mpidist / raw is the goal metric (>= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.buffers import ShardedLayout
+from mpidist.checkpoint import Piece, TensorInfo, read_pieces, save_checkpoint
+
+
+def make_units(total_bytes: int, n_tensors: int, per_unit: int = 12):
+    """Odd-shaped float32 tensors adding up to about ``total_bytes``, in units."""
+    rng = np.random.default_rng(0)
+    weights = rng.uniform(0.2, 1.8, n_tensors)
+    numels = np.maximum(7, (weights / weights.sum() * total_bytes / 4).astype(np.int64))
+    units, unit = [], []
+    for i, numel in enumerate(numels):
+        cols = int(rng.choice([7, 129, 1023, 1531]))
+        rows = max(1, int(numel) // cols)
+        group = "params" if i % 3 == 0 else ("optimizer/exp_avg" if i % 3 == 1
+                                              else "optimizer/exp_avg_sq")
+        unit.append((f"{group}/layer{i // 3}.w", (rows, cols)))
+        if len(unit) == per_unit:
+            units.append(unit)
+            unit = []
+    if unit:
+        units.append(unit)
+    return units
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(comm, fn) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    comm.Barrier()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mb", type=float, default=1024.0, help="total state in MB")
+    ap.add_argument("--tensors", type=int, default=300, help="number of tensors")
+    ap.add_argument("--dir", default=None, help="directory on the file system to test "
+                    "(default: the system temp directory)")
+    ap.add_argument("--repeats", type=int, default=3, help="repetitions; the best is shown")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    units = make_units(int(args.size_mb * 1e6), args.tensors)
+    layout = ShardedLayout(units, size, rank)
+    tensors = {name: TensorInfo(tuple(shape), "float32") for u in units for name, shape in u}
+    total = sum(i.nbytes for i in tensors.values())
+    local = np.random.default_rng(rank).standard_normal(layout.local_size).astype(np.float32)
+    pieces = [Piece(n, flat, local[loc]) for n, flat, loc in layout.local_pieces()]
+    local_bytes = sum(p.data.nbytes for p in pieces)
+    raw_data = np.concatenate([p.data for p in pieces]) if pieces else local[:0]
+
+    base = tempfile.mkdtemp(prefix="mpidist-bench-ckpt-", dir=args.dir) if rank == 0 else None
+    base = comm.bcast(base, root=0)
+    raw_path = os.path.join(base, f"raw-{rank}.bin")
+    ckpt = os.path.join(base, "ckpt-00000001.h5")
+    outs = [Piece(p.name, p.flat, np.empty_like(p.data)) for p in pieces]
+    best: dict[str, float] = {}
+    try:
+        for _ in range(args.repeats):
+            def raw_write() -> None:
+                with open(raw_path, "wb") as fh:
+                    raw_data.tofile(fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+
+            t = {"raw write": timed(comm, raw_write),
+                 "save": timed(comm, lambda: save_checkpoint(
+                     ckpt, tensors, pieces, {"step": 1, "world_size": size}, comm=comm))}
+            drop_cache(raw_path)
+            if rank == 0:
+                drop_cache(ckpt)
+            comm.Barrier()
+            t["raw read"] = timed(comm, lambda: np.fromfile(raw_path, dtype=np.float32))
+            t["load (verified)"] = timed(comm, lambda: read_pieces(ckpt, outs, comm=comm))
+            drop_cache(ckpt)
+            comm.Barrier()
+            t["load (no verify)"] = timed(
+                comm, lambda: read_pieces(ckpt, outs, comm=comm, verify=False))
+            if not all(o.data.tobytes() == p.data.tobytes() for o, p in zip(outs, pieces,
+                                                                             strict=True)):
+                raise SystemExit(f"[rank {rank}] loaded data differs from saved data")
+            for k, v in t.items():
+                best[k] = min(best.get(k, float("inf")), v)
+    finally:
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+
+    if rank == 0:
+        gbs = {k: total / v / 1e9 for k, v in best.items()}
+        print(f"checkpoint I/O: {size} rank(s), {len(tensors)} tensors, {total / 1e9:.3f} GB "
+              f"({local_bytes / 1e6:.1f} MB on rank 0), dir {os.path.dirname(base)}, "
+              f"best of {args.repeats}")
+        print("reads follow posix_fadvise(DONTNEED) on every file; they may still come "
+              "partly from page cache")
+        for k in best:
+            print(f"  {k:<18} {best[k]:8.3f} s  {gbs[k]:7.3f} GB/s")
+        ratios = {
+            "save / raw write": gbs["save"] / gbs["raw write"],
+            "load (verified) / raw read": gbs["load (verified)"] / gbs["raw read"],
+            "load (no verify) / raw read": gbs["load (no verify)"] / gbs["raw read"],
+        }
+        for k, v in ratios.items():
+            print(f"  {k:<28} {v:5.2f}x  (goal >= 0.7)")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"world_size": size, "bytes": total, "tensors": len(tensors),
+                           "seconds": best, "gb_per_s": gbs, "ratios": ratios}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

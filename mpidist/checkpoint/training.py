@@ -1,0 +1,136 @@
+"""Saving and loading a training run (a strategy's model and optimizer) as a checkpoint.
+
+The file holds, as global named tensors:
+
+* ``params/<parameter name>``: every parameter with its single-process shape;
+* ``optimizer/<state name>/<parameter name>``: every optimizer-state tensor
+  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...), with the parameter's shape;
+
+and root attributes: ``step`` (optimizer updates), ``steps_taken``, ``strategy``, ``mesh``,
+``world_size``, ``dtype``, ``optimizer`` (name and hyperparameters), ``data`` (the sampler's
+epoch, step and samples seen) and ``extra``. Each rank writes only the elements it owns and
+reads only what its own layout needs, so a checkpoint saved by any strategy on any mesh
+loads into any other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from mpidist.checkpoint.format import CheckpointMismatchError, Piece, TensorInfo
+from mpidist.checkpoint.io import (
+    checkpoint_path,
+    latest_checkpoint,
+    read_metadata,
+    read_pieces,
+    save_checkpoint,
+)
+
+__all__ = ["load_training", "resolve_resume", "save_training", "training_tensors"]
+
+
+def _model(opt: Any) -> Any:
+    model = getattr(opt, "model", None)
+    if model is None or getattr(opt, "state", None) is None:
+        raise ValueError(f"{type(opt).__name__} has no model yet; call wrap() before saving")
+    return model
+
+
+def training_tensors(opt: Any) -> dict[str, TensorInfo]:
+    """The global tensors a checkpoint of ``opt`` holds: ``{name: TensorInfo}``."""
+    model = _model(opt)
+    dtype = np.dtype(model.dtype).name
+    shapes = model.global_shapes() if hasattr(model, "global_shapes") else {
+        s.name: s.shape for u in model.layout.units for s in u.specs}
+    out = {f"params/{n}": TensorInfo(shape, dtype) for n, shape in shapes.items()}
+    for key in opt.state.buffers:
+        out.update({f"optimizer/{key}/{n}": TensorInfo(shape, dtype)
+                    for n, shape in shapes.items()})
+    return out
+
+
+def _pieces(opt: Any, *, for_writing: bool) -> list[Piece]:
+    model = _model(opt)
+    if hasattr(model, "checkpoint_pieces"):  # meshes with tp/pp describe their own pieces
+        return [Piece(n, s, d) for n, s, d in
+                model.checkpoint_pieces(opt.state.buffers, for_writing=for_writing)]
+    out = [Piece(f"params/{n}", s, d) for n, s, d in model.tensor_pieces(
+        model.parameter_storage, sharded=model.shards_params, owned=for_writing)]
+    for key, arr in opt.state.buffers.items():
+        out += [Piece(f"optimizer/{key}/{n}", s, d) for n, s, d in model.tensor_pieces(
+            arr, sharded=model.shards_state, owned=for_writing)]
+    return out
+
+
+def save_training(directory: str, opt: Any, *, step: int, keep: int | None = None,
+                  comm: Any = None, extra: dict[str, Any] | None = None,
+                  path: str | None = None) -> str:
+    """Save ``opt``'s model and optimizer state as ``directory/ckpt-<step>.h5``.
+
+    Collective over ``comm`` (every rank of the job): each rank writes its own elements.
+    The save is atomic and moves the ``latest`` pointer; with ``keep`` only the newest
+    ``keep`` checkpoints stay. Returns the path.
+    """
+    model = _model(opt)
+    shape = model.mesh.shape
+    attrs = {
+        "step": int(opt.state.step),
+        "steps_taken": int(opt.step_count),
+        "strategy": opt.strategy,
+        "mesh": {"pp": shape.pp, "dp": shape.dp, "tp": shape.tp},
+        "world_size": int(shape.size),
+        "dtype": np.dtype(model.dtype).name,
+        "optimizer": opt.base.config(),
+        "data": None if opt.sampler is None else opt.sampler.state_dict(),
+        "extra": extra or {},
+    }
+    target = path if path is not None else checkpoint_path(directory, step)
+    return save_checkpoint(target, training_tensors(opt), _pieces(opt, for_writing=True), attrs,
+                           comm=comm, keep=keep)
+
+
+def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
+                  ) -> dict[str, Any]:
+    """Load a checkpoint (a file, or a directory's latest) into ``opt`` and its model.
+
+    Collective over ``comm``. The checkpoint may come from any strategy, world size or
+    mesh; the tensors must match this model and optimizer exactly (names, shapes,
+    dtypes), else a :class:`CheckpointMismatchError` lists what differs. Restores the
+    parameters, the optimizer state, the step counts and the data position; returns the
+    checkpoint's attributes.
+    """
+    if os.path.isdir(path):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointMismatchError(f"no checkpoint in directory {path!r}")
+        path = found
+    attrs, _ = read_metadata(path)
+    theirs = attrs.get("optimizer", {}).get("name")
+    if theirs != opt.base.name:
+        raise CheckpointMismatchError(
+            f"{path!r} holds optimizer {theirs!r} state; this run uses {opt.base.name!r}"
+        )
+    read_pieces(path, _pieces(opt, for_writing=False), comm=comm,
+                expected=training_tensors(opt), verify=verify)
+    opt.state.step = int(attrs["step"])
+    opt.step_count = int(attrs.get("steps_taken", attrs["step"]))
+    for _, _, st in opt._pieces:
+        st.step = opt.state.step
+    data = attrs.get("data")
+    if data:
+        if opt.sampler is not None:
+            opt.sampler.load_state_dict(data)
+        else:
+            opt._data_state = dict(data)
+    model = _model(opt)
+    if hasattr(model, "after_load"):
+        model.after_load()
+    return attrs
+
+
+def resolve_resume(directory: str) -> str | None:
+    """The checkpoint ``--resume`` continues from: the directory's latest, or None."""
+    return latest_checkpoint(directory)
