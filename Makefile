@@ -85,7 +85,7 @@ lint: $(DEPS_STAMP)
 
 warm: $(DEPS_STAMP)
 	@# Compile the Numba kernels once so MPI ranks do not all compile at the same time.
-	$(PY) -c "import mpidist.kernels as k; k.warm_up()"
+	$(PY) -c "import mpidist.kernels as k, mpidist.nn.fused as f; k.warm_up(); f.warm_up()"
 
 test-serial: $(DEPS_STAMP)
 	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests

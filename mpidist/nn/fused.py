@@ -68,3 +68,10 @@ def gelu_tanh_backward(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarr
         out.reshape(-1),
     )
     return out
+
+
+def warm_up() -> None:
+    """Compile the Numba kernels of this module for float32 and float64 (fills the cache)."""
+    for dt in (np.float32, np.float64):
+        x = np.zeros(4, dtype=dt)
+        gelu_tanh_backward(x, x, x)
