@@ -1,0 +1,282 @@
+"""Pipeline parallelism: stage partitioning, the GPipe and 1F1B schedules, and their runner.
+
+A model's units are split into ``pp`` contiguous stages (:func:`partition_units`, uniform or
+balanced by parameter count). Each stage runs its micro-batches in the order a schedule
+gives (:func:`schedule_order`); activations go forward and their gradients backward between
+neighbouring stages with nonblocking point-to-point messages on the pp communicator
+(``mesh.group("pp")``, whose ranks are the pp coordinates).
+
+* **GPipe**: every forward, then every backward. Up to ``m`` micro-batches are live
+  (forward done, backward not yet) on every stage.
+* **1F1B** (PipeDream-flush): stage ``s`` of ``p`` runs ``p - s - 1`` warm-up forwards, then
+  alternates one forward and one backward, then drains the remaining backwards. At most
+  ``p - s`` micro-batches are live, with the same bubble as GPipe.
+
+In both, every stage runs the backwards in micro-batch order 0..m-1, so gradients
+accumulate in the same order (GPipe and 1F1B give bit-identical gradients) and the last
+backward is always micro-batch ``m - 1`` (where a data-parallel model synchronises).
+
+:class:`PipelineStage` runs one stage and measures the time it waits in receives (its idle
+time: the bubble) and the peak number of live micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpidist import collectives as C
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineStage",
+    "PipelineStats",
+    "bubble_fraction",
+    "check_schedule",
+    "partition_units",
+    "peak_live",
+    "schedule_order",
+]
+
+SCHEDULES = ("gpipe", "1f1b")
+BALANCES = ("uniform", "parameters")
+
+_TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 11, 12, 13
+_HEADER = 8  # int64 words: ndim, dtype code, up to 6 dims
+_DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int64, np.int32, np.float16)]
+
+
+def check_schedule(schedule: str) -> str:
+    """The schedule name, lower-cased; ValueError naming it unless GPipe or 1F1B. Pure."""
+    s = str(schedule).lower()
+    if s not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    return s
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The ideal idle fraction ``(p - 1) / (m + p - 1)`` of GPipe and 1F1B."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+# -- partitioning ----------------------------------------------------------------------------
+def partition_units(weights: Sequence[int], pp: int, balance: str = "uniform"
+                    ) -> list[tuple[int, int]]:
+    """Split ``len(weights)`` units into ``pp`` contiguous non-empty stages. Pure.
+
+    ``balance="uniform"`` gives every stage ``n // pp`` units (the first ``n % pp`` stages
+    one more); ``"parameters"`` minimises the largest stage's total weight (parameter count).
+    Returns ``[(start, stop), ...]`` per stage. ValueError if ``pp`` exceeds the units.
+    """
+    n = len(weights)
+    if isinstance(pp, bool) or not isinstance(pp, (int, np.integer)) or pp < 1:
+        raise ValueError(f"pp={pp!r} must be a positive integer")
+    if pp > n:
+        raise ValueError(f"pp={pp} is larger than the number of units ({n})")
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
+    if balance == "uniform":
+        base, extra = divmod(n, pp)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
+    else:
+        sizes = _balanced_sizes([int(w) for w in weights], pp)
+    out, start = [], 0
+    for k in sizes:
+        out.append((start, start + k))
+        start += k
+    return out
+
+
+def _balanced_sizes(w: list[int], pp: int) -> list[int]:
+    # Linear partition by dynamic programming: best[k][i] = least possible max stage weight
+    # of the first i units in k stages. n and pp are small (units of a model).
+    n = len(w)
+    prefix = np.concatenate([[0], np.cumsum(w)]).astype(np.int64)
+    inf = np.iinfo(np.int64).max
+    best = np.full((pp + 1, n + 1), inf, dtype=np.int64)
+    cut = np.zeros((pp + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0
+    for k in range(1, pp + 1):
+        for i in range(k, n - (pp - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1, j] == inf:
+                    continue
+                cost = max(int(best[k - 1, j]), int(prefix[i] - prefix[j]))
+                if cost < best[k, i]:
+                    best[k, i], cut[k, i] = cost, j
+    sizes, i = [], n
+    for k in range(pp, 0, -1):
+        j = int(cut[k, i])
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+# -- schedules -------------------------------------------------------------------------------
+def schedule_order(schedule: str, stage: int, n_stages: int, micro_batches: int
+                   ) -> list[tuple[str, int]]:
+    """The ``("F", i)`` / ``("B", i)`` sequence stage ``stage`` of ``n_stages`` runs. Pure."""
+    schedule = check_schedule(schedule)
+    m = int(micro_batches)
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"stage={stage} is outside {n_stages} stages")
+    if m < 1:
+        raise ValueError(f"micro_batches={m} must be >= 1")
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(n_stages - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for k in range(m - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    order += [("B", i) for i in range(m - warmup, m)]
+    return order
+
+
+def peak_live(order: Sequence[tuple[str, int]]) -> int:
+    """Most micro-batches whose forward is done and backward not yet, over ``order``."""
+    live = peak = 0
+    for kind, _ in order:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+# -- running one stage ----------------------------------------------------------------------
+@dataclass
+class PipelineStats:
+    """What one :meth:`PipelineStage.run` measured on this stage."""
+
+    seconds: float = 0.0  # wall time of the whole schedule, sends included
+    wait_seconds: float = 0.0  # time blocked in receives (the bubble, seen by this stage)
+    send_wait_seconds: float = 0.0  # time waiting for sends to complete at the end
+    peak_live: int = 0
+    messages: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+
+class PipelineStage:
+    """One stage of a pipeline: runs a schedule over micro-batches on the pp communicator.
+
+    Args:
+        forward: ``forward(x, ctx) -> y`` of this stage's units.
+        backward: ``backward(dy, ctx) -> dx`` of this stage's units (dx is ignored on the
+            first stage). Called for micro-batches 0..m-1 in order.
+        comm: the pp communicator (rank = stage index); None for a single stage.
+        loss: on the last stage, ``loss.forward(y, target, normalizer=, ctx=) -> float`` and
+            ``loss.backward(ctx=) -> dy``.
+
+    ``run`` is collective over ``comm``: every stage runs it with the same number of
+    micro-batches and schedule. Messages carry a small header with the activation's shape
+    and dtype, so stages need not know each other's output shapes.
+    """
+
+    def __init__(self, forward: Callable[[Any, Any], Any], backward: Callable[[Any, Any], Any],
+                 *, comm: Any = None, loss: Any = None) -> None:
+        self.forward = forward
+        self.backward = backward
+        self.comm = comm
+        self.stage = 0 if comm is None else comm.Get_rank()
+        self.n_stages = 1 if comm is None else comm.Get_size()
+        self.loss = loss
+        self.stats = PipelineStats()
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == self.n_stages - 1
+
+    # -- messages -------------------------------------------------------------------------
+    def _send_activation(self, y: np.ndarray) -> list[C.Request]:
+        y = np.ascontiguousarray(y)
+        if y.ndim > _HEADER - 2 or y.dtype not in _DTYPES:
+            raise ValueError(
+                f"stage {self.stage}: cannot send an activation of shape {y.shape}, "
+                f"dtype {y.dtype} (at most {_HEADER - 2} dims of {[d.name for d in _DTYPES]})"
+            )
+        head = np.zeros(_HEADER, dtype=np.int64)
+        head[0], head[1] = y.ndim, _DTYPES.index(y.dtype)
+        head[2:2 + y.ndim] = y.shape
+        dst = self.stage + 1
+        self.stats.messages += 2
+        return [C.isend(head, dst, comm=self.comm, tag=_TAG_HEADER),
+                C.isend(y, dst, comm=self.comm, tag=_TAG_ACTIVATION)]
+
+    def _recv_activation(self) -> np.ndarray:
+        src = self.stage - 1
+        head = np.empty(_HEADER, dtype=np.int64)
+        t0 = time.perf_counter()
+        C.irecv(head, src, comm=self.comm, tag=_TAG_HEADER).wait()
+        nd = int(head[0])
+        x = np.empty(tuple(int(d) for d in head[2:2 + nd]), dtype=_DTYPES[int(head[1])])
+        C.irecv(x, src, comm=self.comm, tag=_TAG_ACTIVATION).wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        return x
+
+    def _recv_gradient(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        dy = np.empty(shape, dtype=dtype)
+        t0 = time.perf_counter()
+        C.irecv(dy, self.stage + 1, comm=self.comm, tag=_TAG_GRADIENT).wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        return dy
+
+    # -- the schedule -----------------------------------------------------------------------
+    def run(self, inputs: Sequence[Any], targets: Sequence[Any] | None = None, *,
+            schedule: str = "1f1b", normalizer: float | None = None) -> float:
+        """Run every micro-batch forward and backward; returns the sum of the micro-batch
+        losses on the last stage (0.0 elsewhere). Collective over the pp communicator.
+
+        ``inputs[i]`` is micro-batch i's input (read on the first stage only);
+        ``targets[i]`` its target (read on the last stage only). Statistics are in
+        :attr:`stats`.
+        """
+        m = len(inputs)
+        order = schedule_order(schedule, self.stage, self.n_stages, m)
+        if self.is_last and (self.loss is None or targets is None or len(targets) != m):
+            raise ValueError(f"the last stage needs a loss and {m} targets")
+        self.stats = PipelineStats()
+        sends: list[C.Request] = []
+        sent_shape: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
+        total = 0.0
+        live = 0
+        t_start = time.perf_counter()
+        for kind, i in order:
+            if kind == "F":
+                x = inputs[i] if self.is_first else self._recv_activation()
+                y = self.forward(x, i)
+                if self.is_last:
+                    assert targets is not None
+                    total += self.loss.forward(y, targets[i], normalizer=normalizer, ctx=i)
+                else:
+                    y = np.ascontiguousarray(y)
+                    sent_shape[i] = (y.shape, y.dtype)
+                    sends += self._send_activation(y)
+                live += 1
+                self.stats.peak_live = max(self.stats.peak_live, live)
+            else:
+                if self.is_last:
+                    dy = self.loss.backward(ctx=i)
+                else:
+                    dy = self._recv_gradient(*sent_shape.pop(i))
+                dx = self.backward(dy, i)
+                if not self.is_first:
+                    if dx is None:
+                        raise ValueError(
+                            f"stage {self.stage}: backward returned no input gradient to send "
+                            f"to stage {self.stage - 1}"
+                        )
+                    sends.append(C.isend(np.ascontiguousarray(dx), self.stage - 1,
+                                         comm=self.comm, tag=_TAG_GRADIENT))
+                    self.stats.messages += 1
+                live -= 1
+            # Completed sends release their buffers (and drive MPI progress).
+            sends = [r for r in sends if not r.test()]
+        t0 = time.perf_counter()
+        C.wait_all(sends)
+        t1 = time.perf_counter()
+        self.stats.send_wait_seconds = t1 - t0
+        self.stats.seconds = t1 - t_start
+        return total
