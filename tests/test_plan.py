@@ -1,0 +1,119 @@
+"""mpidist plan: the memory model reproduces the ZeRO paper and Megatron's tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpidist import plan as P
+
+ZERO_PAPER = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per device, 7.5B params, 64 devices
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_paper_figures(stage):
+    got = P.model_state_bytes(7.5e9, precision="mixed", optimizer="adam", zero_stage=stage,
+                              dp=64) / 1e9
+    assert round(got, 1) == ZERO_PAPER[stage]
+
+
+def test_zero_paper_figures_in_plan_rows():
+    rows = P.plan(7.5e9, 64, precision="mixed", optimizer="adam", layers=32, hidden=4096,
+                  heads=32, seq_len=1024, global_batch=64, max_tp=1, devices_per_node=64)
+    flat = {r["zero_stage"]: r for r in rows if r["pp"] == 1 and r["tp"] == 1}
+    assert sorted(flat) == [0, 1, 2, 3]
+    for stage, gb in ZERO_PAPER.items():
+        assert round(flat[stage]["model_state_gb"], 1) == gb
+        assert flat[stage]["dp"] == 64
+
+
+@pytest.mark.parametrize("precision, whole, fixed, sharded", [
+    ("mixed-main-grads", 20, 4, 16),   # Megatron: float16 param, float16 grads
+    ("mixed-fp32-grads", 18, 6, 12),   # Megatron: float16 param, fp32 grads
+    ("fp32", 16, 8, 8),                # Megatron: fp32 param, fp32 grads
+])
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_megatron_distributed_optimizer_table(precision, whole, fixed, sharded, d):
+    assert P.bytes_per_parameter(precision, "adam", 0, d) == whole
+    assert P.bytes_per_parameter(precision, "adam", 1, d) == pytest.approx(fixed + sharded / d)
+
+
+def test_plan_rows_carry_the_contract_fields_and_are_consistent():
+    rows = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, seq_len=2048,
+                  devices_per_node=8, memory_gb=40)
+    assert rows
+    need = {"pp", "tp", "dp", "zero_stage", "model_state_gb", "activation_gb", "total_gb",
+            "step_time_s", "fits"}
+    for r in rows:
+        assert need <= set(r)
+        assert r["pp"] * r["tp"] * r["dp"] == 16
+        assert r["total_gb"] == pytest.approx(r["model_state_gb"] + r["activation_gb"])
+        assert r["fits"] == (r["total_gb"] <= 40)
+        assert r["step_time_s"] >= r["compute_s"] > 0
+        assert r["tp"] <= 8
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True)  # fitting layouts first
+    json.dumps(rows)
+
+
+def test_sharding_reduces_memory_and_tp_splits_activations():
+    rows = P.plan(1.3e9, 8, layers=24, hidden=2048, heads=16, seq_len=1024)
+    by = {(r["pp"], r["tp"], r["zero_stage"]): r for r in rows}
+    dp8 = [by[(1, 1, z)]["model_state_gb"] for z in range(4)]
+    assert dp8 == sorted(dp8, reverse=True)
+    assert by[(1, 2, 0)]["activation_gb"] < by[(1, 1, 0)]["activation_gb"]
+    # slower inter-node link -> a dp group spanning nodes costs more
+    one_node = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, devices_per_node=16)
+    two_nodes = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, devices_per_node=8)
+    key = (1, 1, 16, 0)
+
+    def pick(rows):
+        return next(r for r in rows if (r["pp"], r["tp"], r["dp"], r["zero_stage"]) == key)
+
+    assert pick(two_nodes)["dp_comm_s"] > pick(one_node)["dp_comm_s"]
+
+
+def test_alpha_beta_formulas():
+    assert P.allreduce_time(1e9, 1, 1e-5, 1e10) == 0.0
+    assert P.allreduce_time(1e9, 4, 1e-5, 1e10) == pytest.approx(6e-5 + 1.5 * 0.1)
+    assert P.reduce_scatter_time(1e9, 4, 1e-5, 1e10) == pytest.approx(3e-5 + 0.75 * 0.1)
+    assert P.allgather_time(8, 2, 0.0, 1.0) == 4.0
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        P.bytes_per_parameter("fp8")
+    with pytest.raises(ValueError, match="optimizer='adafactor'"):
+        P.plan(1e9, 8, optimizer="adafactor")
+    with pytest.raises(ValueError, match="zero_stage=4"):
+        P.bytes_per_parameter("mixed", "adam", 4, 8)
+    with pytest.raises(ValueError, match="params=-1"):
+        P.plan(-1, 8)
+    with pytest.raises(ValueError, match="devices=0"):
+        P.plan(1e9, 0)
+    with pytest.raises(ValueError, match="'7.5X'"):
+        P.parse_count("7.5X")
+    assert P.parse_count("7.5B") == 7.5e9 and P.parse_count("350M") == 3.5e8
+
+
+def test_main_json(capsys):
+    assert P.main(["--params", "7.5B", "--devices", "64", "--optimizer", "adam",
+                   "--precision", "mixed", "--layers", "32", "--hidden", "4096",
+                   "--heads", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] and all(r["fits"] for r in out["rows"])
+    assert {"pp", "tp", "dp", "zero_stage", "model_state_gb"} <= set(out["rows"][0])
+
+
+def test_main_table_and_add_parser(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="mpidist")
+    sub = parser.add_subparsers(dest="command")
+    P.add_parser(sub)
+    args = parser.parse_args(["plan", "--params", "1.3e9", "--devices", "8", "--precision",
+                              "fp32", "--top", "3"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "layouts fit" in text and "states GB" in text
