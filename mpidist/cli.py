@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print what each rank sees: MPI, HDF5, Numba/CUDA, ranks")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_cmd_env)
-    from mpidist import demo, tools_cli, train
+    from mpidist import demo, plan, tools_cli, train
 
     train.add_parser(sub)
     tools_cli.add_parsers(sub)
+    plan.add_parser(sub)
     demo.add_parser(sub)
     return p
 
@@ -108,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with abort_on_failure():
         try:
             return int(args.func(args) or 0)
+        except BrokenPipeError:  # output piped into head & co.
+            sys.stderr.close()
+            return 0
         except ValueError as exc:
             # Bad input: a message naming the value, not a traceback. Every rank validates
             # the same input, so every rank says the same; under MPI the job then aborts.

@@ -43,7 +43,9 @@ def training_tensors(opt: Any) -> dict[str, TensorInfo]:
     """The global tensors a checkpoint of ``opt`` holds: ``{name: TensorInfo}``."""
     model = _model(opt)
     dtype = np.dtype(model.dtype).name
-    shapes = model.global_shapes() if hasattr(model, "global_shapes") else {
+    # A pipeline or tensor-parallel model holds only part of the model; it knows the
+    # global shapes of every tensor.
+    shapes = getattr(model, "global_shapes", None) or {
         s.name: s.shape for u in model.layout.units for s in u.specs}
     out = {f"params/{n}": TensorInfo(shape, dtype) for n, shape in shapes.items()}
     for key in opt.state.buffers:

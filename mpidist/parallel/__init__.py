@@ -1,8 +1,20 @@
-"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP) and their configuration."""
+"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP), 3D hybrid, and their configuration.
+
+``STRATEGIES`` maps the data-parallel strategy names to their optimizers (all constructed as
+``Optimizer(base, config, loss=..., lr_schedule=...)``); ``HybridShardedOptimizer`` also takes
+the mesh sizes and the pipeline schedule.
+"""
 
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
 from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
+from mpidist.parallel.hybrid import (
+    HybridDDPModel,
+    HybridModel,
+    HybridShardedOptimizer,
+    HybridZeRO1Model,
+    HybridZeRO2Model,
+)
 from mpidist.parallel.zero import (
     FSDPModel,
     FSDPOptimizer,
@@ -25,6 +37,11 @@ __all__ = [
     "DDPOptimizer",
     "FSDPModel",
     "FSDPOptimizer",
+    "HybridDDPModel",
+    "HybridModel",
+    "HybridShardedOptimizer",
+    "HybridZeRO1Model",
+    "HybridZeRO2Model",
     "OptimizationResult",
     "ShardedModel",
     "ShardedOptimizer",

@@ -49,8 +49,11 @@ class DDPModel(ShardedModel):
         self._pending: dict[int, C.Request] = {}
 
     def _initialize(self) -> None:
-        for u in range(len(self.units)):
-            self.layout.unit_full(u, self.params)[:] = self._init_unit(u)
+        # Initialise through the whole module so a weight shared between units (tied
+        # embeddings) is visible to every unit that reads it.
+        self.module.bind(self.layout.full_views(self.params), None)
+        self.module.init_parameters(self.seed)
+        self.module.unbind()
         # Replicas must start identical even if initialisation differed (it should not).
         C.broadcast(self.params, 0, comm=self.comm)
 
@@ -76,8 +79,9 @@ class DDPModel(ShardedModel):
         for req in self._pending.values():
             req.test()
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
-        """Backward through every unit, starting bucket allreduces as they fill.
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
+        """Backward through every unit, starting bucket allreduces as they fill; returns the
+        input gradient of the first unit.
 
         Collective over dp when gradients are synchronised (every rank must run the same
         number of synchronised backwards).
@@ -93,6 +97,7 @@ class DDPModel(ShardedModel):
                 self._progress()
         if sync and not overlap:
             self.sync_gradients()
+        return dy
 
     def sync_gradients(self) -> None:
         """Reduce every bucket not yet started, with blocking allreduces (Open MPI's

@@ -258,7 +258,7 @@ class HybridModel(ShardedModel):
         return self._loss_cache[1]
 
     def run_pipeline(self, inputs: list[Any], targets: list[Any], loss: Any, *,
-                     normalizer: float, schedule: str = "1f1b") -> float:
+                     normalizer: float, schedule: str = "1f1b", train: bool = True) -> float:
         """Forward and backward of every micro-batch through the pipeline; gradients are
         accumulated and synchronised over dp after the last micro-batch's backward.
 
@@ -273,8 +273,13 @@ class HybridModel(ShardedModel):
 
         runner = PipelineStage(self.forward, backward, comm=self.pp_comm,
                                loss=self.stage_loss(loss))
-        total = runner.run(inputs, targets, schedule=schedule, normalizer=normalizer)
-        self.last_pipeline_stats = runner.stats
+        total = runner.run(inputs, targets, schedule=schedule, normalizer=normalizer,
+                           train=train)
+        if train:
+            self.last_pipeline_stats = runner.stats
+        else:  # evaluation keeps no activations
+            self.local_module.clear_cache()
+            self.stage_loss(loss).clear_cache()
         return total
 
     # -- whole tensors ------------------------------------------------------------------------
@@ -342,6 +347,41 @@ class HybridModel(ShardedModel):
             views[n][...] = src if entry is None else entry[0].take(src)
         return full
 
+    def checkpoint_pieces(self, state_buffers: dict[str, np.ndarray], *, for_writing: bool
+                          ) -> list[tuple[str, slice, np.ndarray]]:
+        """``(checkpoint name, flat slice of the global tensor, 1-D data)`` of this rank.
+
+        For writing, every element of every global tensor is owned by exactly one rank of
+        the mesh: its pipeline stage, then tp rank 0 for tp-replicated tensors (each tp rank
+        for its own slice of a split tensor), then the dp shard. For reading, each rank asks
+        for everything its storage holds. A tp slice that is not contiguous in the global
+        tensor (a column block) becomes one piece per contiguous run. Not collective.
+        """
+        out: list[tuple[str, slice, np.ndarray]] = []
+
+        def emit(prefix: str, name: str, ts: slice, data: np.ndarray) -> None:
+            entry = self.partitions.get(name)
+            if entry is None:
+                out.append((prefix + name, ts, data))
+                return
+            gshape = self.global_shapes[name]
+            idx = np.arange(int(np.prod(gshape)), dtype=np.int64).reshape(gshape)
+            idx = idx[entry[0].index(gshape)].reshape(-1)[ts]
+            cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, idx.size], strict=True):
+                out.append((prefix + name, slice(int(idx[a]), int(idx[b - 1]) + 1), data[a:b]))
+
+        def add(prefix: str, array: np.ndarray, sharded: bool) -> None:
+            for name, ts, data in self.tensor_pieces(array, sharded=sharded, owned=for_writing):
+                if for_writing and self.tp_rank != 0 and name not in self.partitions:
+                    continue
+                emit(prefix, name, ts, data)
+
+        add("params/", self.params, False)
+        for key, buf in state_buffers.items():
+            add(f"optimizer/{key}/", buf, self.shards_state)
+        return out
+
     def full_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter as a global array. Collective over the mesh."""
         return self.global_tensors(self.params)
@@ -375,22 +415,6 @@ class HybridDDPModel(HybridModel, DDPModel):
     def _bind(self) -> None:
         self._bind_units(self.grads)
 
-    def backward(self, dy: Any, ctx: Any = None) -> Any:
-        """``DDPModel.backward`` over this stage's units, returning the stage's input
-        gradient (for the previous stage). Collective over dp when synchronising."""
-        sync = self._sync_enabled and self.config.auto_sync_gradients
-        overlap = sync and self.config.overlap and self.dp_size > 1
-        for u in range(len(self.units) - 1, -1, -1):
-            dy = self.units[u].backward(dy, ctx)
-            if overlap:
-                for i, after in enumerate(self._bucket_unit):
-                    if after == u:
-                        self._start_bucket(i)
-                self._progress()
-        if sync and not overlap:
-            self.sync_gradients()
-        return dy
-
 
 class HybridZeRO1Model(HybridDDPModel, ZeRO1Model):
     """Hybrid model with ZeRO-1 over dp: allreduced gradients, sharded optimizer state,
@@ -403,22 +427,6 @@ class HybridZeRO2Model(HybridModel, ZeRO2Model):
 
     def _bind(self) -> None:
         self._bind_units(None)
-
-    def backward(self, dy: Any, ctx: Any = None) -> Any:
-        """``ZeRO2Model.backward`` over this stage's units, returning the stage's input
-        gradient. Collective over dp."""
-        for u in range(len(self.units) - 1, -1, -1):
-            span = self.layout.units[u]
-            unit = self.units[u]
-            gbuf = np.zeros(span.padded, dtype=self.dtype)
-            self._track(gbuf.nbytes)
-            pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
-            unit.bind(pviews, self.layout.unit_views(u, gbuf))
-            dy = unit.backward(dy, ctx)
-            unit.bind(pviews, None)
-            self._start_reduce_scatter(u, gbuf)
-            self._progress_reduce_scatter(wait=False)
-        return dy
 
 
 _MODELS: dict[int, type[HybridModel]] = {0: HybridDDPModel, 1: HybridZeRO1Model,
@@ -564,6 +572,24 @@ class HybridShardedOptimizer(ShardedOptimizer):
         self.timers["communication"] += (t2 - t1) + (t4 - t3)
         self.timers["update"] += t3 - t2
         return float(loss[0])
+
+    def evaluate(self, model: Any, data: Any, *, batches: int, global_batch_size: int,
+                 seed: int = 0) -> float:
+        """Mean loss over ``batches`` fixed global batches (forward only, through the
+        pipeline). Collective over the mesh; the same batches at every mesh shape."""
+        from mpidist.data import GlobalBatchSampler
+
+        model = self._resolve(model)
+        assert isinstance(model, HybridModel)
+        sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
+        total = np.zeros(1)
+        for step in range(batches):
+            x, y = data.batch(sampler.local_indices(step, model.dp_rank, model.dp_size))
+            normalizer = self._count(y, self.loss) * model.dp_size * batches
+            total[0] += model.run_pipeline([x], [y], self.loss, normalizer=normalizer,
+                                           schedule=self.schedule, train=False)
+        C.allreduce(total, "sum", comm=model.loss_comm)
+        return float(total[0])
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -225,16 +225,20 @@ class PipelineStage:
 
     # -- the schedule -----------------------------------------------------------------------
     def run(self, inputs: Sequence[Any], targets: Sequence[Any] | None = None, *,
-            schedule: str = "1f1b", normalizer: float | None = None) -> float:
+            schedule: str = "1f1b", normalizer: float | None = None,
+            train: bool = True) -> float:
         """Run every micro-batch forward and backward; returns the sum of the micro-batch
         losses on the last stage (0.0 elsewhere). Collective over the pp communicator.
 
         ``inputs[i]`` is micro-batch i's input (read on the first stage only);
         ``targets[i]`` its target (read on the last stage only). Statistics are in
-        :attr:`stats`.
+        :attr:`stats`. With ``train=False`` only the forwards run (evaluation).
         """
         m = len(inputs)
-        order = schedule_order(schedule, self.stage, self.n_stages, m)
+        if train:
+            order = schedule_order(schedule, self.stage, self.n_stages, m)
+        else:
+            order = [("F", i) for i in range(m)]
         if self.is_last and (self.loss is None or targets is None or len(targets) != m):
             raise ValueError(f"the last stage needs a loss and {m} targets")
         self.stats = PipelineStats()

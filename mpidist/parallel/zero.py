@@ -107,9 +107,9 @@ class ZeRO2Model(_ReduceScatterUnits, ShardedModel):
             h = unit.forward(h, ctx)
         return h
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
         """Backward unit by unit; each unit's gradients are reduce-scattered as soon as the
-        unit is done. Collective over dp."""
+        unit is done. Collective over dp. Returns the input gradient of the first unit."""
         for u in range(len(self.units) - 1, -1, -1):
             span = self.layout.units[u]
             unit = self.units[u]
@@ -121,6 +121,7 @@ class ZeRO2Model(_ReduceScatterUnits, ShardedModel):
             unit.bind(pviews, None)
             self._start_reduce_scatter(u, gbuf)
             self._progress_reduce_scatter(wait=False)
+        return dy
 
     def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
         out = []
