@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED := 1
 
 SYSTEM_STAMP := $(VENV)/.system-ok
 DEPS_STAMP := $(VENV)/.deps-ok
-MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q -p no:cacheprovider tests
+MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim warm bench docs clean
 
