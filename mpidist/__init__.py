@@ -10,11 +10,14 @@ from mpidist.buffers import Bucket, FlatBuffer, ShardedLayout  # noqa: E402
 from mpidist.launch import abort_on_failure, detect_environment  # noqa: E402
 from mpidist.mesh import ProcessMesh, layout  # noqa: E402
 from mpidist.parallel import (  # noqa: E402
+    AsyncSGDOptimizer,
     DDPModel,
     DDPOptimizer,
     FSDPModel,
     FSDPOptimizer,
+    GradientCompressionOptimizer,
     HybridShardedOptimizer,
+    LocalSGDOptimizer,
     OptimizationResult,
     ShardingConfiguration,
     ZeRO1Model,
@@ -26,13 +29,16 @@ from mpidist.parallel import (  # noqa: E402
 )
 
 __all__ = [
+    "AsyncSGDOptimizer",
     "Bucket",
     "DDPModel",
     "DDPOptimizer",
     "FSDPModel",
     "FSDPOptimizer",
     "FlatBuffer",
+    "GradientCompressionOptimizer",
     "HybridShardedOptimizer",
+    "LocalSGDOptimizer",
     "OptimizationResult",
     "ProcessMesh",
     "ShardedLayout",

@@ -1,10 +1,17 @@
-"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP), 3D hybrid, and their configuration.
+"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP), 3D hybrid,
+Local SGD, gradient compression, bounded-staleness asynchronous SGD, and their configuration.
 
 ``STRATEGIES`` maps the data-parallel strategy names to their optimizers (all constructed as
 ``Optimizer(base, config, loss=..., lr_schedule=...)``); ``HybridShardedOptimizer`` also takes
 the mesh sizes and the pipeline schedule.
 """
 
+from mpidist.parallel.communication import (
+    AsyncSGDOptimizer,
+    CountingComm,
+    GradientCompressionOptimizer,
+    LocalSGDOptimizer,
+)
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
 from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
@@ -33,6 +40,10 @@ STRATEGIES: dict[str, type[ShardedOptimizer]] = {
 
 __all__ = [
     "STRATEGIES",
+    "AsyncSGDOptimizer",
+    "CountingComm",
+    "GradientCompressionOptimizer",
+    "LocalSGDOptimizer",
     "DDPModel",
     "DDPOptimizer",
     "FSDPModel",

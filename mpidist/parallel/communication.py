@@ -506,10 +506,11 @@ class LocalSGDModel(_MeteredModel):
 
     strategy = "local_sgd"
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
-        """Backward through every unit into the local gradients. Not collective."""
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
+        """Backward into the local gradients; returns the input gradient. Not collective."""
         for u in range(len(self.units) - 1, -1, -1):
             dy = self.units[u].backward(dy, ctx)
+        return dy
 
     def sync_gradients(self) -> None:
         """Local SGD does not synchronise gradients."""
@@ -830,11 +831,13 @@ class AsyncSGDModel(_MeteredModel):
 
     strategy = "async_sgd"
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
-        """Backward into the local gradients, driving pending exchanges between units."""
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
+        """Backward into the local gradients, driving pending exchanges between units;
+        returns the input gradient. Not collective."""
         for u in range(len(self.units) - 1, -1, -1):
             dy = self.units[u].backward(dy, ctx)
             self.progress()
+        return dy
 
     def progress(self) -> None:
         """Let MPI advance the in-flight gradient allreduces. Not collective."""
