@@ -110,3 +110,23 @@ def test_bad_flags_fail_on_every_rank(tmp_path: Path, args, message):
     proc = mpidist(2, "train", "--out", str(tmp_path), "--steps", "2", *base, *args, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_hybrid_run_resumes_as_another_strategy(tmp_path: Path):
+    """A (pp=2, tp=2) checkpoint holds global tensors: ZeRO-2 on 3 ranks continues it."""
+    args = [*TINY, "--n-layer", "2", "--steps", "4", "--checkpoint-interval", "2", "--keep", "5"]
+    hybrid = tmp_path / "hybrid"
+    mpidist(4, "train", "--out", str(hybrid), "--strategy", "hybrid", "--pp", "2", "--tp", "2",
+            "--micro-batches", "2", *args)
+    ddp = tmp_path / "ddp"
+    mpidist(2, "train", "--out", str(ddp), *args)
+    want = rows(ddp / "metrics.jsonl")
+    np.testing.assert_allclose([rows(hybrid / "metrics.jsonl")[s] for s in range(1, 5)],
+                               [want[s] for s in range(1, 5)], rtol=1e-9)
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(hybrid / "ckpt-00000002.h5", part)
+    (part / "latest").write_text("ckpt-00000002.h5\n")
+    mpidist(3, "train", "--out", str(part), "--strategy", "zero2", "--resume", *args)
+    got = rows(part / "metrics.jsonl")
+    np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-9)
