@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_cmd_env)
     from mpidist import demo, plan, tools_cli, train
+    from mpidist.launch import supervisor
 
     train.add_parser(sub)
+    supervisor.add_parser(sub)
     tools_cli.add_parsers(sub)
     plan.add_parser(sub)
     demo.add_parser(sub)

@@ -234,8 +234,7 @@ def _make_strategy(cfg: TrainConfig, comm: Any) -> Any:
     mesh = ProcessMesh(comm, dp=cfg.dp)
     config = ShardingConfiguration(mesh=mesh, dtype=cfg.dtype, micro_batches=cfg.micro_batches,
                                    max_grad_norm=cfg.max_grad_norm, bucket_mb=cfg.bucket_mb)
-    name = "ddp" if cfg.strategy == "elastic" else cfg.strategy
-    return STRATEGIES[name](base, config, loss=CrossEntropyLoss(), lr_schedule=schedule)
+    return STRATEGIES[cfg.strategy](base, config, loss=CrossEntropyLoss(), lr_schedule=schedule)
 
 
 class _Progress:
@@ -316,6 +315,10 @@ def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
     comm = MPI.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
     setup_logging(rank)
+    if cfg.strategy == "elastic":
+        from mpidist.launch.elastic_train import run_elastic_training
+
+        return run_elastic_training(cfg, comm)
     if cfg.global_batch % (cfg.micro_batches) != 0:
         raise ValueError(f"--global-batch {cfg.global_batch} is not divisible by "
                          f"--micro-batches {cfg.micro_batches}")

@@ -14,6 +14,7 @@ from mpidist.parallel.communication import (
 )
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
+from mpidist.parallel.elastic import ElasticOptimizer
 from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
 from mpidist.parallel.hybrid import (
     HybridDDPModel,
@@ -46,6 +47,7 @@ __all__ = [
     "LocalSGDOptimizer",
     "DDPModel",
     "DDPOptimizer",
+    "ElasticOptimizer",
     "FSDPModel",
     "FSDPOptimizer",
     "HybridDDPModel",

@@ -232,6 +232,23 @@ class ElasticOptimizer(ShardedOptimizer):
         handle_sigterm: install a SIGTERM handler that asks this worker to leave.
 
     Collective calls are over the current workers (:attr:`comm`); see each method.
+
+    The training loop calls :meth:`maybe_rescale` between steps and runs until the step
+    count (not a local counter) reaches the end, so that joiners, which start at the job's
+    step, run the same loop::
+
+        opt = ElasticOptimizer(AdamW(lr=1e-3), ShardingConfiguration(), 2, 8,
+                               strategy="zero2", events="out/events.jsonl")
+        model = opt.wrap(make_model(), seed=0)       # a joiner joins here
+        opt.sampler = GlobalBatchSampler(len(data), 24, seed=0)  # every worker, joiners too
+        while opt.step_count < steps:
+            idx = opt.sampler.next_local(model.dp_rank, model.dp_size)
+            opt.step(model, data.batch(idx))
+            model = opt.maybe_rescale(model)
+            if model is None:                        # this worker left
+                break
+
+    :meth:`optimize` is inherited and keeps the membership fixed.
     """
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
@@ -265,6 +282,8 @@ class ElasticOptimizer(ShardedOptimizer):
         self._leave = False
         self._target = 0
         self.left = False
+        #: seconds of the phases of the last change on this worker, and bytes it sent
+        self.last_timing: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -403,6 +422,7 @@ class ElasticOptimizer(ShardedOptimizer):
         old_comm, old_mesh, old_model = self._comm, self._mesh, self.model
         assert old_model is not None and self.state is not None
         me_old = old_comm.Get_rank()
+        timing: dict[str, float] = {}
         if d.joins:
             inter = old_comm.Spawn(self.spawn_command, self.spawn_args, maxprocs=d.joins,
                                    root=0)
@@ -412,6 +432,8 @@ class ElasticOptimizer(ShardedOptimizer):
                         union)
         else:
             union = old_comm
+        t1 = time.perf_counter()
+        timing["spawn"] = t1 - t0
         old_ranks, new_ranks = membership(d)
         me = union.Get_rank()
         staying = new_ranks[me] >= 0
@@ -420,24 +442,30 @@ class ElasticOptimizer(ShardedOptimizer):
         new_state = self.base.init_state(new_model.state_size, dtype=new_model.dtype) \
             if new_model is not None else None
         numels = [s.numel for s in old_model.layout.units]
+        t2 = time.perf_counter()
+        timing["rebuild"] = t2 - t1
         _fault("redistribute", me_old)
-        _move(union, numels, d, old_ranks, new_ranks, me,
-              old_model.layout, old_model.parameter_storage,
-              new_model.layout if new_model else None,
-              new_model.parameter_storage if new_model else None,
-              sharded=old_model.shards_params)
+        moved = _move(union, numels, d, old_ranks, new_ranks, me,
+                      old_model.layout, old_model.parameter_storage,
+                      new_model.layout if new_model else None,
+                      new_model.parameter_storage if new_model else None,
+                      sharded=old_model.shards_params)
         for key in sorted(self.state.buffers):
-            _move(union, numels, d, old_ranks, new_ranks, me,
-                  old_model.layout, self.state.buffers[key],
-                  new_model.layout if new_model else None,
-                  new_state.buffers[key] if new_state else None,
-                  sharded=old_model.shards_state)
+            moved += _move(union, numels, d, old_ranks, new_ranks, me,
+                           old_model.layout, self.state.buffers[key],
+                           new_model.layout if new_model else None,
+                           new_state.buffers[key] if new_state else None,
+                           sharded=old_model.shards_state)
+        t3 = time.perf_counter()
+        timing["redistribute"] = t3 - t2
         step = self.state.step
         old_mesh.free()
         old_comm.Free()
         if union is not old_comm:
             union.Free()
-        seconds = time.perf_counter() - t0
+        timing["total"] = time.perf_counter() - t0
+        timing["bytes_sent"] = float(moved)
+        self.last_timing = timing
         if not staying:
             self._comm = self._mesh = None
             self.model, self.state, self._pieces = None, None, []
@@ -450,8 +478,8 @@ class ElasticOptimizer(ShardedOptimizer):
         self._comm, self._mesh = new_comm, new_model.mesh
         self.model, self.state = new_model, new_state
         self._bind_pieces()
-        self._event(d.kind, d, world_size=d.n_new, seconds=seconds, left=list(d.leavers),
-                    joined=d.joins)
+        self._event(d.kind, d, world_size=d.n_new, seconds=timing["total"],
+                    left=list(d.leavers), joined=d.joins)
         return new_model
 
     def _join(self, module: Any) -> ShardedModel:
@@ -580,10 +608,11 @@ def _fault(phase: str, old_rank: int) -> None:
 def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int],
           new_ranks: list[int], me: int, src_layout: ShardedLayout | None,
           src: np.ndarray | None, dst_layout: ShardedLayout | None, dst: np.ndarray | None,
-          *, sharded: bool) -> None:
+          *, sharded: bool) -> int:
     """Move one flat buffer from the old layout to the new one. Collective over ``union``.
 
-    ``src`` is None on a joiner, ``dst`` None on a leaver. One ``Alltoallv``.
+    ``src`` is None on a joiner, ``dst`` None on a leaver. One ``Alltoallv``. Returns the
+    bytes this member sent to others.
     """
     n_new = d.n_new
     sends, recvs = transfer_plan(numels, d.n_old, n_new, old_ranks, new_ranks, me,
@@ -618,3 +647,4 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
             o = _offset(dst_layout, u, a, sharded=sharded)
             dst[o:o + b - a] = recvbuf[pos:pos + b - a]
             pos += b - a
+    return int((scounts.sum() - scounts[me]) * np.dtype(dtype).itemsize)

@@ -1,0 +1,123 @@
+"""A small elastic training job for the tests (run under mpiexec; joiners run it too).
+
+    elastic_worker.py --strategy S --steps N --out DIR [--min A --max B]
+        [--actions "STEP:ACTION,..."] [--checkpoint-interval I] [--resume]
+
+Actions run after the step with that number, on the worker of the current rank named:
+``leave@R`` (request_leave), ``sigterm@R`` (SIGTERM to itself), ``scale=N`` (rank 0 asks for
+N workers), ``kill@R`` (SIGKILL to itself; only on the first launch; rewrites the file in
+``ELASTIC_SLOTS_FILE`` to ``ELASTIC_SLOTS_AFTER`` first, as if a node went away).
+Rank 0 writes ``final.npz`` (the final parameters) and ``losses.json`` under DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+from mpidist.data import GlobalBatchSampler, synthetic_regression
+from mpidist.nn import MLP, MSELoss
+from mpidist.optim import AdamW
+from mpidist.parallel import ShardingConfiguration
+from mpidist.parallel.elastic import ElasticOptimizer
+
+GLOBAL_BATCH = 12
+SIZES = [7, 13, 11, 3]
+
+
+def make_data():
+    return synthetic_regression(96, SIZES[0], SIZES[-1], seed=1)
+
+
+def make_base():
+    return AdamW(lr=0.01, weight_decay=0.1)
+
+
+def parse_actions(text: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for item in filter(None, text.split(",")):
+        step, _, action = item.partition(":")
+        out.setdefault(int(step), []).append(action)
+    return out
+
+
+def act(opt: ElasticOptimizer, action: str, rank: int) -> None:
+    first_launch = os.environ.get("MPIDIST_RESTART", "0") == "0"
+    if action.startswith("scale="):
+        if rank == 0:
+            opt.scale_to(int(action.split("=")[1]))
+        return
+    what, _, who = action.partition("@")
+    if int(who) != rank:
+        return
+    if what == "leave":
+        opt.request_leave()
+    elif what == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif what == "kill" and first_launch:
+        slots = os.environ.get("ELASTIC_SLOTS_FILE")
+        if slots:
+            with open(slots, "w") as f:
+                f.write(os.environ.get("ELASTIC_SLOTS_AFTER", "") + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", required=True)
+    p.add_argument("--min", type=int, default=1)
+    p.add_argument("--max", type=int, default=8)
+    p.add_argument("--actions", default="")
+    p.add_argument("--checkpoint-interval", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args()
+    actions = parse_actions(args.actions)
+
+    data = make_data()
+    joiner = ElasticOptimizer.is_joiner()
+    opt = ElasticOptimizer(make_base(), ShardingConfiguration(dtype="float64"),
+                           min_workers=args.min, max_workers=args.max, strategy=args.strategy,
+                           loss=MSELoss(), events=os.path.join(args.out, "events.jsonl"))
+    model = opt.wrap(MLP(SIZES), seed=0)
+    opt.sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=0)
+    if args.resume and not joiner:
+        from mpidist.checkpoint import latest_checkpoint
+        from mpidist.checkpoint.training import load_training
+
+        path = latest_checkpoint(args.out)
+        if path is not None:
+            load_training(path, opt, comm=opt.comm)
+    losses = {}
+    while opt.step_count < args.steps:
+        idx = opt.sampler.next_local(model.dp_rank, model.dp_size)
+        loss = opt.step(model, data.batch(idx))
+        s = opt.step_count
+        losses[s] = loss
+        if args.checkpoint_interval and s % args.checkpoint_interval == 0:
+            from mpidist.checkpoint.training import save_training
+
+            save_training(args.out, opt, step=s, keep=3, comm=opt.comm)
+        for action in actions.get(s, []):
+            act(opt, action, opt.comm.Get_rank())
+        model = opt.maybe_rescale(model)
+        if model is None:
+            return 0  # this worker left
+    params = model.full_parameters()
+    rank = opt.comm.Get_rank()
+    if rank == 0:
+        np.savez(os.path.join(args.out, "final.npz"), **params)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "workers": opt.current_workers}, f)
+    opt.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
