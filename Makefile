@@ -18,6 +18,9 @@ MULTIARCH := $(shell gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
 HDF5_DIR ?= /usr/lib/$(MULTIARCH)/hdf5/openmpi
 MPIEXEC ?= mpiexec
 NP ?= 4
+# WITH_TORCH=1 also installs PyTorch (CPU) as a test oracle and benchmark peer.
+WITH_TORCH ?= 0
+TORCH_VERSION ?= 2.13.0
 # Per-test limit (seconds) and limit for one whole mpiexec run of the suite.
 TEST_TIMEOUT ?= 300
 SUITE_TIMEOUT ?= 1500
@@ -62,7 +65,7 @@ $(SYSTEM_STAMP):
 	@[ -x "$(PY)" ] || $(PYTHON) -m venv $(VENV)
 	@touch $@
 
-$(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml
+$(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q numpy mpi4py Cython pkgconfig "setuptools>=77" wheel
 	@# h5py must be built against the parallel HDF5, without build isolation
@@ -74,6 +77,10 @@ $(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml
 	fi
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress]"
 	$(PY) -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI'"
+	@# PyTorch is only a peer in benchmarks and an oracle in tests (they skip without it).
+	@if [ "$(WITH_TORCH)" = 1 ] && ! $(PY) -c "import torch" 2>/dev/null; then \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" || echo "setup: torch not installed; its tests skip"; \
+	fi
 	@touch $@
 
 run: warm
