@@ -39,12 +39,14 @@ SYSTEM_STAMP := $(VENV)/.system-ok
 DEPS_STAMP := $(VENV)/.deps-ok
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
-.PHONY: help setup system run test lint test-serial test-mpi test-cudasim warm bench docs clean
+.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-slurm warm bench docs clean
 
 help:
 	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
 	@echo "make test   - ruff, serial tests, MPI tests at 2, 3 and 4 ranks, CUDA-simulator tests"
 	@echo "make bench  - benchmarks (ratios against the limit or a peer, same run)"
+	@echo "make docs   - user guide and API reference into site/ (mkdocs --strict)"
+	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
 
 setup: $(DEPS_STAMP)
@@ -105,8 +107,24 @@ test-mpi: warm
 	$(call MPIRUN_TESTS,3)
 	$(call MPIRUN_TESTS,4)
 
-test: lint test-serial test-cudasim test-mpi
+# The jobs/ scripts on a real one-node Slurm (the test starts and stops it); skipped,
+# with the reason, where Slurm cannot be installed (not root, or no apt-get).
+test-slurm: warm
+	@verdict="$$(jobs/local-slurm.sh check)"; \
+	if [ "$$verdict" = ok ]; then \
+	  MPIDIST_TEST_SLURM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests/test_slurm.py; \
+	else echo "make test-slurm: $$verdict"; fi
+
+test: lint test-serial test-cudasim test-mpi test-slurm
 	@echo "make test: all passed"
+
+DOCS_STAMP := $(VENV)/.docs-ok
+$(DOCS_STAMP): $(DEPS_STAMP) pyproject.toml
+	$(PY) -m pip install -q --no-build-isolation -e ".[docs]"
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: warm
 	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
