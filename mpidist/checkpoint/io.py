@@ -1,19 +1,32 @@
-"""Collective save and load of checkpoints: parallel HDF5, atomic commit, verified reads.
+"""Collective save and load of checkpoints: one HDF5 file, atomic commit, verified reads.
 
 A checkpoint is one HDF5 file of global named tensors (``docs/checkpoint-format.md``).
 Every rank writes the pieces it owns as hyperslabs of the tensors' datasets and reads back
 whatever pieces it asks for, so a checkpoint written by N ranks with one sharding loads on
 M ranks with any other.
 
-I/O modes, chosen identically on every rank:
+The file is an ordinary HDF5 file whichever way it is written; the I/O modes differ only
+in how the bytes get there. Chosen identically on every rank (``serial=`` argument, else
+``MPIDIST_CHECKPOINT_SERIAL=1``, else ``MPIDIST_CHECKPOINT_IO=posix|mpio|serial``):
 
-* parallel: ``h5py`` built with MPI and a communicator of more than one rank. The file is
-  opened with ``driver="mpio"``; file, group, dataset and attribute creation are collective
-  (every rank makes the same calls in the same, sorted, order); piece transfers are
-  independent, so ranks may write different numbers of pieces.
-* serial fallback: ``h5py`` without MPI, ``serial=True`` or ``MPIDIST_CHECKPOINT_SERIAL=1``.
-  Rank 0 creates the file with every dataset and attribute; then the ranks take turns
-  (rank order, one Barrier per turn) opening it and writing their pieces. Same file format.
+* ``posix`` (default): rank 0 alone creates the file with h5py's default (sec2) driver:
+  every group, attribute and dataset, the datasets contiguous with their space allocated
+  at creation (``H5D_ALLOC_TIME_EARLY``) and never filled, so each dataset's byte offset
+  is fixed before any data exists. Rank 0 closes the file and broadcasts the offsets; every
+  rank then ``os.pwrite``s its pieces' little-endian bytes at ``offset + start *
+  itemsize`` and fsyncs. Loading is the reverse: rank 0 reads the header and offsets, and
+  every rank ``os.pread``s its ranges. Datasets that are not plainly contiguous (files
+  written by other tools: chunked, filtered, other byte order) are read through h5py.
+  Why the default: HDF5 adds nothing to the data transfers of contiguous datasets, while
+  opening and closing a file with the ``mpio`` driver (collective metadata, MPI-IO
+  file-view setup, a collective truncate) cost seconds per checkpoint; see
+  ``benchmarks/checkpoint_io.py``.
+* ``mpio``: ``h5py`` built with MPI and a communicator of more than one rank (otherwise
+  ``posix``). The file is opened with ``driver="mpio"``; file, group, dataset and
+  attribute creation are collective (every rank makes the same calls in the same, sorted,
+  order); piece transfers are independent, so ranks may write different numbers of pieces.
+* ``serial``: Rank 0 creates the file with every dataset and attribute; then the ranks take
+  turns (rank order, one Barrier per turn) opening it with h5py and writing their pieces.
 
 Atomic commit: the file is written as ``.<name>.tmp-<hex>`` in the target directory (the
 name chosen by rank 0 and broadcast), fsynced by every rank, renamed by rank 0 with
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -79,6 +93,11 @@ LATEST = "latest"
 #: Largest transfer per HDF5 call, in bytes: bounds temporaries and stays far below the
 #: 2 GiB MPI-IO count limit.
 MAX_TRANSFER_BYTES = 256 << 20
+#: Largest ``os.pwrite``/``os.pread`` call, in bytes (Linux moves at most ~2 GiB per call;
+#: smaller calls also bound the conversion temporaries of non-native byte orders).
+POSIX_CHUNK_BYTES = 64 << 20
+#: The I/O modes (``MPIDIST_CHECKPOINT_IO``); see the module docstring.
+IO_MODES = ("posix", "mpio", "serial")
 _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
 _ERRORS = {c.__name__: c for c in (CheckpointError, CorruptCheckpointError,
                                    CheckpointFormatError, CheckpointMismatchError)}
@@ -97,15 +116,27 @@ def _size_rank(comm: Any) -> tuple[int, int]:
     return comm.Get_size(), comm.Get_rank()
 
 
-def _want_serial(serial: bool | None) -> bool:
-    if serial is not None:
-        return bool(serial)
-    return os.environ.get("MPIDIST_CHECKPOINT_SERIAL", "0") not in ("", "0", "false", "no")
+def _io_mode(comm: Any, serial: bool | None) -> str:
+    """``"posix"``, ``"mpio"`` or ``"serial"``: how this save or load moves its bytes.
 
-
-def _use_mpio(comm: Any, serial: bool | None) -> bool:
+    ``serial=True`` (or, when ``serial`` is None, ``MPIDIST_CHECKPOINT_SERIAL=1``) selects
+    the serial fallback; otherwise ``MPIDIST_CHECKPOINT_IO`` (default ``posix``), where
+    ``serial=False`` turns ``serial`` into ``posix`` and ``mpio`` needs h5py built with MPI
+    and more than one rank (else ``posix``). Not collective: callers check the result
+    agrees across ranks. Raises ValueError naming a bad ``MPIDIST_CHECKPOINT_IO``.
+    """
     size, _ = _size_rank(comm)
-    return size > 1 and not _want_serial(serial) and bool(_h5py().get_config().mpi)
+    env = os.environ.get("MPIDIST_CHECKPOINT_IO", "").strip().lower() or "posix"
+    if env not in IO_MODES:
+        raise ValueError(f"MPIDIST_CHECKPOINT_IO={env!r} must be one of {list(IO_MODES)}")
+    if serial is None:
+        serial = env == "serial" or os.environ.get(
+            "MPIDIST_CHECKPOINT_SERIAL", "0").strip().lower() not in ("", "0", "false", "no")
+    if serial:
+        return "serial"
+    if env == "mpio" and size > 1 and bool(_h5py().get_config().mpi):
+        return "mpio"
+    return "posix"
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -196,6 +227,7 @@ def _read_range(ds: Any, a: int, out: np.ndarray) -> None:
         ds.id.read(mspace, fspace, out[lo - a:hi - a])
 
 
+@functools.lru_cache(maxsize=64)
 def _dataset_dtype(dtype: str) -> np.dtype:
     dt = np.dtype(dtype)
     return dt if dt.itemsize == 1 or dt.kind == "b" else dt.newbyteorder("<")
@@ -349,26 +381,90 @@ def _check_coverage(all_rows: Sequence[np.ndarray], names: Sequence[str],
 
 
 def _create_layout(f: Any, names: Sequence[str], infos: Mapping[str, TensorInfo],
-                   sums: np.ndarray, root: Mapping[str, Any]) -> None:
-    """Groups, datasets and attributes, in sorted order (collective under mpio)."""
+                   sums: np.ndarray, root: Mapping[str, Any]) -> np.ndarray:
+    """Groups, datasets and attributes, in sorted order (collective under mpio).
+
+    Every dataset is contiguous with its space allocated now and never filled, the same in
+    every I/O mode. Returns each dataset's byte offset in the file (int64, in ``names``
+    order; -1 for an empty tensor, which has no storage).
+    """
+    h5py = _h5py()
+    h5a, h5d, h5p, h5s, h5t = h5py.h5a, h5py.h5d, h5py.h5p, h5py.h5s, h5py.h5t
     for key in sorted(root):
         f.attrs[key] = root[key]
     for g in group_paths(names):
         f.create_group(g)
+    # Early allocation fixes each dataset's file offset at creation, so the posix mode can
+    # write the bytes without HDF5. Never filling: the pieces overwrite every element, and
+    # filling would write the whole file twice. (Built with the low-level API because
+    # h5py's create_dataset drops a given property list for scalar datasets.)
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_layout(h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)
+    # The checksum attributes exactly as ``ds.attrs[k] = np.uint64(v)`` makes them
+    # (scalar H5T_STD_U64LE), through the low-level API: h5py's high-level attribute
+    # code costs ~0.15 ms per attribute, most of a save's metadata time.
+    u64 = h5t.py_create(np.dtype("<u8"), logical=True)
+    scalar = h5s.create(h5s.SCALAR)
+    types: dict[str, Any] = {}
+    offsets = np.full(len(names), -1, dtype=np.int64)
     for t, name in enumerate(names):
         info = infos[name]
-        # fill_time="never": the pieces overwrite every element, and parallel HDF5 would
-        # otherwise write the fill value over the whole file first, doubling the I/O.
-        ds = f.create_dataset(name, shape=info.shape, dtype=_dataset_dtype(info.dtype),
-                              fill_time="never", track_times=False)
-        ds.attrs[ATTR_S1] = np.uint64(sums[t, 0])
-        ds.attrs[ATTR_S2] = np.uint64(sums[t, 1])
+        if info.dtype not in types:
+            types[info.dtype] = h5t.py_create(_dataset_dtype(info.dtype), logical=True)
+        space = h5s.create_simple(info.shape) if info.shape else scalar
+        dsid = h5d.create(f.id, name.encode("utf-8"), types[info.dtype], space, dcpl=dcpl)
+        for key, value in ((ATTR_S1, sums[t, 0]), (ATTR_S2, sums[t, 1])):
+            aid = h5a.create(dsid, key.encode("ascii"), u64, scalar)
+            aid.write(np.array(value, dtype="<u8"))
+            aid.close()
+        offset = dsid.get_offset()
+        if offset is not None and info.numel:
+            offsets[t] = offset
+        dsid.close()
+    return offsets
 
 
 def _write_pieces(f: Any, pieces: Sequence[Piece]) -> None:
     for p in pieces:
         if p.data.shape[0]:  # validated by _validate_pieces: flat is [start, start + len)
             _write_range(f[p.name], int(p.flat.start or 0), p.data)
+
+
+def _pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype) -> None:
+    """Write ``data`` as ``stored`` (little-endian) bytes at ``offset``, in bounded calls."""
+    step = max(1, POSIX_CHUNK_BYTES // stored.itemsize)
+    for lo in range(0, data.shape[0], step):
+        # No copy for native little-endian data; converts a big-endian chunk.
+        chunk = np.ascontiguousarray(data[lo:lo + step], dtype=stored)
+        view = memoryview(chunk.view(np.uint8))
+        pos = offset + lo * stored.itemsize
+        while view.nbytes:
+            n = os.pwrite(fd, view, pos)
+            if n <= 0:
+                raise OSError(f"pwrite wrote {n} bytes at offset {pos}")
+            view, pos = view[n:], pos + n
+
+
+def _pread_array(fd: int, offset: int, out: np.ndarray, stored: np.dtype, path: str) -> None:
+    """Fill ``out`` from the ``stored`` (little-endian) bytes at ``offset``."""
+    step = max(1, POSIX_CHUNK_BYTES // stored.itemsize)
+    direct = out.dtype == stored  # native little-endian: read straight into ``out``
+    for lo in range(0, out.shape[0], step):
+        chunk = out[lo:lo + step]
+        buf = chunk if direct else np.empty(chunk.shape[0], dtype=stored)
+        view = memoryview(buf.view(np.uint8))
+        pos = offset + lo * stored.itemsize
+        while view.nbytes:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{path!r} ends at byte {pos}, inside a dataset (truncated file?)")
+            view, pos = view[n:], pos + n
+        if not direct:
+            chunk[...] = buf
 
 
 def save_checkpoint(
@@ -399,7 +495,9 @@ def save_checkpoint(
         keep: after committing, delete all but the newest ``keep`` checkpoints of the
             directory (never the new one or the one ``latest`` names).
         serial: force (True) or forbid (False) the serial fallback; default: the
-            ``MPIDIST_CHECKPOINT_SERIAL`` environment variable, else parallel when possible.
+            ``MPIDIST_CHECKPOINT_SERIAL`` and ``MPIDIST_CHECKPOINT_IO`` environment
+            variables, else the ``posix`` mode (see the module docstring). Every mode
+            writes the same file.
 
     Returns:
         ``path`` as a string.
@@ -422,11 +520,12 @@ def save_checkpoint(
                 raise ValueError(f"keep={keep!r} must be a positive integer or None")
             plist = [as_piece(p) for p in pieces]
             rows = _validate_pieces(plist, infos, index)
+            mode = _io_mode(comm, serial)
         failure = _first(box)
         if failure is None:
             digest = hashlib.sha256(json.dumps(
                 [os.path.abspath(path), [(n, infos[n].shape, infos[n].dtype) for n in names],
-                 whole, keep, _use_mpio(comm, serial)]).encode()).hexdigest()
+                 whole, keep, mode]).encode()).hexdigest()
         else:
             rows, digest = np.empty((0, 3), dtype=np.int64), ""
         if own is None:
@@ -486,7 +585,9 @@ def save_checkpoint(
 
         # 4. write the temp file and fsync it on every rank.
         try:
-            if _use_mpio(comm, serial):
+            if mode == "posix":
+                _save_posix(tmp, names, infos, sums, root, plist, rows, own)
+            elif mode == "mpio":
                 _save_mpio(tmp, names, infos, sums, root, plist, own)
             else:
                 _save_serial(tmp, names, infos, sums, root, plist, own)
@@ -514,6 +615,44 @@ def save_checkpoint(
     finally:
         if own is not None:
             own.Free()
+
+
+def _save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
+                sums: np.ndarray, root: Mapping[str, Any], pieces: Sequence[Piece],
+                rows: np.ndarray, comm: Any) -> None:
+    """Rank 0 lays the file out with HDF5; every rank pwrites its bytes. Collective."""
+    size, rank = _size_rank(comm)
+    offsets = np.full(len(names), -1, dtype=np.int64)
+    failure = None
+    if rank == 0:
+        with _capture() as box:
+            with _h5py().File(tmp, "w") as f:
+                offsets[:] = _create_layout(f, names, infos, sums, root)
+            lost = [n for n, o in zip(names, offsets, strict=True) if o < 0 and infos[n].numel]
+            if lost:  # only if HDF5 ignored the early allocation we asked for
+                raise RuntimeError(f"HDF5 allocated no contiguous storage for {lost[:5]}")
+        failure = _first(box)
+    _agree(comm, failure)
+    if comm is not None:
+        comm.Bcast(offsets, root=0)
+    with _capture() as box:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            # File order, so each rank's writes move forward through the file.
+            order = sorted(range(len(pieces)),
+                           key=lambda k: (int(offsets[rows[k, 0]]), int(rows[k, 1])))
+            for k in order:
+                t, a, b = (int(x) for x in rows[k])
+                if b > a:
+                    stored = _dataset_dtype(infos[names[t]].dtype)
+                    _pwrite_array(fd, int(offsets[t]) + a * stored.itemsize,
+                                  pieces[k].data, stored)
+            # Every rank flushes what it wrote (on a shared file system the dirty pages
+            # live on the writer's node); rank 0's fsync also covers the HDF5 metadata.
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _agree(comm, _first(box))
 
 
 def _save_mpio(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
@@ -589,6 +728,36 @@ def _open_error(path: str, exc: BaseException) -> CheckpointError:
 def _read_header(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
                                       dict[str, tuple[int, int]]]:
     """Metadata, tensors and stored checksums of a checkpoint; raises CheckpointError."""
+    meta, infos, sums, _ = _read_header_offsets(path)
+    return meta, infos, sums
+
+
+def _raw_offset(ds: Any, info: TensorInfo) -> int:
+    """Byte offset of a dataset whose elements can be read with ``pread``, else -1.
+
+    That is a contiguous dataset with allocated storage of exactly ``numel * itemsize``
+    bytes whose file type is the little-endian type this library writes for ``info.dtype``
+    (mpidist's own files always are). Anything else (chunked, filtered, external,
+    big-endian, padded compound: files written by other tools) is read through h5py.
+    """
+    h5py = _h5py()
+    dsid = ds.id
+    if not info.numel or dsid.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        return -1
+    if dsid.get_create_plist().get_external_count():
+        return -1
+    offset = dsid.get_offset()
+    stored = _dataset_dtype(info.dtype)
+    if offset is None or dsid.get_storage_size() != info.numel * stored.itemsize:
+        return -1
+    if dsid.get_type() != h5py.h5t.py_create(stored, logical=True):
+        return -1
+    return int(offset)
+
+
+def _read_header_offsets(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
+                                             dict[str, tuple[int, int]], np.ndarray]:
+    """:func:`_read_header` plus each tensor's :func:`_raw_offset` (int64, sorted names)."""
     h5py = _h5py()
     try:
         f = h5py.File(path, "r")
@@ -626,6 +795,7 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
                         created=_attr_str(f.attrs.get("created")))
             infos: dict[str, TensorInfo] = {}
             sums: dict[str, tuple[int, int]] = {}
+            raw: dict[str, int] = {}
             problems: list[str] = []
 
             def visit(name: str, obj: Any) -> None:
@@ -634,6 +804,7 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
                         problems.append(f"dataset {name!r} has non-numeric dtype {obj.dtype}")
                         return
                     infos[name] = TensorInfo(tuple(obj.shape), obj.dtype.name)
+                    raw[name] = _raw_offset(obj, infos[name])
                     try:
                         sums[name] = (int(obj.attrs[ATTR_S1]), int(obj.attrs[ATTR_S2]))
                     except KeyError:
@@ -648,7 +819,9 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
                     f"{path!r}: root says num_tensors={int(count)} but {len(infos)} datasets "
                     "were found"
                 )
-            return meta, dict(sorted(infos.items())), sums
+            infos = dict(sorted(infos.items()))
+            offsets = np.array([raw[n] for n in infos], dtype=np.int64)
+            return meta, infos, sums, offsets
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -711,6 +884,50 @@ def _verify_plan(reqs_of: Sequence[np.ndarray], numels: Sequence[int], size: int
     return owned, extra
 
 
+class _Reader:
+    """Reads flat element ranges of the checkpoint's tensors in one of the I/O modes.
+
+    ``mpio``: the file opened with h5py's mpio driver (opening and closing are collective
+    over ``comm``; reads independent). ``serial``: h5py with the default driver.
+    ``posix``: ``pread`` at the offsets rank 0 found; tensors without one (not plain
+    contiguous, see :func:`_raw_offset`) through h5py, opened on first need.
+    """
+
+    def __init__(self, path: str, mode: str, comm: Any, names: Sequence[str],
+                 infos: Mapping[str, TensorInfo], offsets: np.ndarray) -> None:
+        self.path, self.names, self.infos, self.offsets = path, names, infos, offsets
+        self.fd = -1
+        self.h5: Any = None
+        if mode == "posix":
+            self.fd = os.open(path, os.O_RDONLY)
+        elif mode == "mpio":
+            self.h5 = _h5py().File(path, "r", driver="mpio", comm=comm)
+        else:
+            self.h5 = _h5py().File(path, "r")
+        self.mode = mode
+
+    def read(self, t: int, a: int, out: np.ndarray) -> None:
+        """Elements ``[a, a + len(out))`` of tensor ``t`` into ``out``."""
+        name = self.names[t]
+        if self.mode == "posix" and self.offsets[t] >= 0:
+            stored = _dataset_dtype(self.infos[name].dtype)
+            _pread_array(self.fd, int(self.offsets[t]) + a * stored.itemsize, out, stored,
+                         self.path)
+            return
+        if self.h5 is None:
+            self.h5 = _h5py().File(self.path, "r")
+        _read_range(self.h5[name], a, out)
+
+    def close(self) -> None:
+        """Collective in ``mpio`` mode."""
+        try:
+            if self.h5 is not None:
+                self.h5.close()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+
+
 def read_pieces(
     path: str | os.PathLike[str],
     requests: Iterable[Piece | tuple[str, slice, np.ndarray]],
@@ -735,6 +952,10 @@ def read_pieces(
     checksummed in full (elements nobody requested are read once more for this) and a
     mismatch raises :class:`CorruptCheckpointError` naming the tensors. Every failure
     raises the same error on every rank.
+
+    I/O mode (rank 0's ``serial`` / environment decides, see the module docstring): by
+    default rank 0 also finds each dataset's file offset and every rank ``pread``s its
+    ranges directly; ``mpio`` and ``serial`` read through h5py. The result is the same.
     """
     size, rank = _size_rank(comm)
     path = os.fspath(path)
@@ -744,12 +965,16 @@ def read_pieces(
         header = failure = None
         if rank == 0:
             with _capture() as box:
+                # Rank 0 decides the I/O mode for everyone: ranks that disagreed would
+                # mix collective and independent opens and hang.
+                mode = _io_mode(comm, serial)
                 if os.path.isdir(path):
                     found = latest_checkpoint(path)
                     if found is None:
                         raise CheckpointError(f"no checkpoint in directory {path!r}")
                     path = found
-                header = (path, *_read_header(path))
+                meta, infos, sums, offsets = _read_header_offsets(path)
+                header = (path, meta, infos, sums, mode)
                 if expected is not None:
                     exp = as_tensor_infos(expected)
                     msg = compare_tensors(header[2], exp, strict=strict)
@@ -763,9 +988,13 @@ def read_pieces(
                 raise _ERRORS.get(failure[0], CheckpointError)(failure[1])
         elif failure is not None:
             raise failure.cls(str(failure))
-        path, meta, infos, sums = header
+        path, meta, infos, sums, mode = header
         names = list(infos)
         index = {n: t for t, n in enumerate(names)}
+        if rank != 0:
+            offsets = np.empty(len(names), dtype=np.int64)
+        if own is not None:
+            own.Bcast(offsets, root=0)
 
         # 2. every rank checks its own requests; agree.
         with _capture() as box:
@@ -794,17 +1023,17 @@ def read_pieces(
         # 3. read, and sum what this rank is responsible for.
         reqs_of = own.allgather(rows) if (own is not None and verify) else [rows]
         part = np.zeros((len(names), 2), dtype=np.uint64)
-        h5py = _h5py()
-        mpio = _use_mpio(comm, serial)
         with _capture(CorruptCheckpointError) as box:
-            f = (h5py.File(path, "r", driver="mpio", comm=own) if mpio
-                 else h5py.File(path, "r"))
+            f = _Reader(path, mode, own, names, infos, offsets)
         _agree(own, _first(box))
         try:
             with _capture(CorruptCheckpointError) as box:
-                for q, (_, a, _) in zip(reqs, rows, strict=True):
-                    if q.data.shape[0]:
-                        _read_range(f[q.name], int(a), q.data)
+                # File order, so each rank's reads move forward through the file.
+                order = sorted(range(len(reqs)),
+                               key=lambda k: (int(offsets[rows[k, 0]]), int(rows[k, 1])))
+                for k in order:
+                    if reqs[k].data.shape[0]:
+                        f.read(int(rows[k, 0]), int(rows[k, 1]), reqs[k].data)
                 if verify:
                     owned, extra = _verify_plan(reqs_of, [infos[n].numel for n in names],
                                                 size, rank)
@@ -813,7 +1042,7 @@ def read_pieces(
                         part[t] = checksum_update((int(part[t, 0]), int(part[t, 1])),
                                                   reqs[k].data[lo - a:hi - a], lo)
                     for t, lo, hi in extra:
-                        part[t] = _sum_range(f[names[t]], lo, hi, infos[names[t]].dtype,
+                        part[t] = _sum_range(f, t, lo, hi, infos[names[t]].dtype,
                                              (int(part[t, 0]), int(part[t, 1])))
         finally:
             with _capture(CorruptCheckpointError) as close_box:
@@ -841,13 +1070,13 @@ def read_pieces(
             own.Free()
 
 
-def _sum_range(ds: Any, lo: int, hi: int, dtype: str,
+def _sum_range(f: _Reader, t: int, lo: int, hi: int, dtype: str,
                sums: tuple[int, int]) -> tuple[int, int]:
     step = max(1, MAX_TRANSFER_BYTES // np.dtype(dtype).itemsize // 4)
     buf = np.empty(min(step, hi - lo), dtype=np.dtype(dtype))
     for a in range(lo, hi, step):
         b = min(hi, a + step)
-        _read_range(ds, a, buf[:b - a])
+        f.read(t, a, buf[:b - a])
         sums = checksum_update(sums, buf[:b - a], a)
     return sums
 

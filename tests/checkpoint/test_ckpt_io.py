@@ -274,3 +274,124 @@ def test_many_dtypes_round_trip(tmp_path):
     verify_checkpoint(path, expected=tensors)
     for k, v in arrays.items():
         assert read_tensor(path, f"g/{k}").tobytes() == v.tobytes()
+
+
+def test_layout_contiguous_allocated_at_creation(tmp_path):
+    """Every dataset has fixed contiguous storage: the posix writer and reader rely on it."""
+    path, values = save(tmp_path)
+    with h5py.File(path) as f:
+        for name, info in model_tensors().items():
+            ds = f[name]
+            assert ds.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+            assert ds.id.get_create_plist().get_fill_time() == h5py.h5d.FILL_TIME_NEVER
+            offset = ds.id.get_offset()
+            assert offset is not None and ds.id.get_storage_size() == info.nbytes
+            with open(path, "rb") as fh:  # the raw bytes at that offset are the tensor
+                fh.seek(offset)
+                raw = np.frombuffer(fh.read(info.nbytes), dtype="<f4")
+            assert raw.tobytes() == values[name].astype("<f4").tobytes()
+            assert ds.attrs["checksum_s1"].dtype == np.dtype("<u8")
+            assert ds.attrs["checksum_s1"].shape == ()
+
+
+def test_empty_scalar_and_unpieced_tensors(tmp_path):
+    tensors = {"a/empty": TensorInfo((0,), "float32"), "a/empty2": TensorInfo((3, 0, 2), "int64"),
+               "s": TensorInfo((), "float64"), "v": TensorInfo((7,), "int16")}
+    v = np.arange(7, dtype=np.int16)
+    # An empty piece of an empty tensor is allowed; empty tensors need no piece at all.
+    pieces = [Piece("a/empty", slice(0, 0), np.empty(0, np.float32)),
+              Piece("s", slice(0, 1), np.array([2.5])),
+              Piece("v", slice(0, 0), v[:0]), Piece("v", slice(0, 7), v)]
+    path = save_checkpoint(tmp_path / "e.h5", tensors, pieces, {"step": 0})
+    verify_checkpoint(path, expected=tensors)
+    assert read_tensor(path, "s") == 2.5 and read_tensor(path, "a/empty2").shape == (3, 0, 2)
+    out_s, out_v, out_e = np.empty(1), np.empty(3, np.int16), np.empty(0, np.float32)
+    read_pieces(path, [("s", slice(None), out_s), ("v", slice(2, 5), out_v),
+                       ("a/empty", slice(0, 0), out_e), ("a/empty2", slice(0, 0),
+                                                         np.empty(0, np.int64))])
+    assert out_s[0] == 2.5 and out_v.tolist() == [2, 3, 4]
+    with h5py.File(path) as f:
+        assert f["s"][()] == 2.5 and f["a/empty2"].shape == (3, 0, 2)
+
+
+def test_big_endian_pieces_and_outputs(tmp_path):
+    """Data is stored little-endian whatever the byte order in memory."""
+    x = np.arange(10, dtype=">f8") / 3
+    tensors = {"x": TensorInfo((2, 5), "float64")}
+    path = save_checkpoint(tmp_path / "b.h5", tensors, [Piece("x", slice(0, 10), x)])
+    with h5py.File(path) as f:
+        assert f["x"].dtype == np.dtype("<f8")
+        np.testing.assert_array_equal(f["x"][...].ravel(), x)
+    out = np.empty(6, dtype=">f8")
+    read_pieces(path, [("x", slice(3, 9), out)])
+    np.testing.assert_array_equal(out, x[3:9])
+
+
+def test_reads_other_layouts_through_h5py(tmp_path):
+    """Datasets another tool rewrote (chunked, compressed, big-endian) still load."""
+    path, values = save(tmp_path)
+    changed = {"params/emb.weight": {"chunks": (4, 7), "compression": "gzip"},
+               "params/head.w": {"dtype": ">f4"},
+               "optimizer/exp_avg/blocks.1.mlp.w": {"chunks": True}}
+    with h5py.File(path, "r+") as f:
+        for name, kw in changed.items():
+            attrs = dict(f[name].attrs)
+            data = f[name][...]
+            del f[name]
+            f.create_dataset(name, data=data, **kw)
+            f[name].attrs.update(attrs)
+    reqs = all_requests()
+    load_checkpoint(path, reqs, expected=model_tensors())
+    for r in reqs:
+        assert r.data.tobytes() == values[r.name].tobytes(), r.name
+    out = np.empty(9, dtype=np.float32)
+    read_pieces(path, [("params/emb.weight", slice(40, 49), out)])
+    np.testing.assert_array_equal(out, values["params/emb.weight"].ravel()[40:49])
+    verify_checkpoint(path, expected=model_tensors())
+
+
+def test_io_mode_environment(tmp_path, monkeypatch):
+    from mpidist.checkpoint import io as ckpt_io
+
+    used = []
+    for mode in ("_save_posix", "_save_mpio", "_save_serial"):
+        real = getattr(ckpt_io, mode)
+        monkeypatch.setattr(ckpt_io, mode,
+                            lambda *a, _real=real, _mode=mode: used.append(_mode) or _real(*a))
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", "lustre")
+    with pytest.raises(CheckpointError, match="MPIDIST_CHECKPOINT_IO='lustre'"):
+        save(tmp_path)
+    with pytest.raises(CheckpointError, match="MPIDIST_CHECKPOINT_IO='lustre'"):
+        read_pieces(tmp_path, [])
+    assert os.listdir(tmp_path) == []
+    for env, expect in (("mpio", "_save_posix"),  # mpio needs more than one rank
+                        ("serial", "_save_serial"), ("POSIX", "_save_posix"),
+                        ("", "_save_posix")):
+        monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", env)
+        used.clear()
+        _, values = save(tmp_path)
+        assert used == [expect], env
+        reqs = all_requests()
+        read_pieces(tmp_path, reqs)
+        assert all(r.data.tobytes() == values[r.name].tobytes() for r in reqs)
+    used.clear()
+    save(tmp_path, serial=False)  # serial=False overrides MPIDIST_CHECKPOINT_IO=serial
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", "serial")
+    save(tmp_path, serial=False)
+    assert used == ["_save_posix", "_save_posix"]
+
+
+def test_pread_past_end_is_corruption(tmp_path):
+    from mpidist.checkpoint import io as ckpt_io
+
+    f = tmp_path / "short.bin"
+    f.write_bytes(np.arange(4, dtype="<f4").tobytes())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        out = np.empty(3, dtype=np.float32)
+        ckpt_io._pread_array(fd, 4, out, np.dtype("<f4"), str(f))
+        assert out.tolist() == [1, 2, 3]
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            ckpt_io._pread_array(fd, 8, out, np.dtype("<f4"), str(f))
+    finally:
+        os.close(fd)

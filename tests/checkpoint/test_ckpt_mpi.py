@@ -64,15 +64,19 @@ def _check(reqs, values):
         assert r.data.tobytes() == expect.tobytes(), r.name
 
 
-@pytest.mark.parametrize("serial", [False, True])
-def test_sharded_save_resharded_load(comm, shared_dir, serial, monkeypatch):
+@pytest.mark.parametrize("mode", ["posix", "mpio", "serial"])
+def test_sharded_save_resharded_load(comm, shared_dir, mode, monkeypatch):
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", mode)
+    serial = None
     used = []
-    for mode in ("_save_mpio", "_save_serial"):
-        real = getattr(ckpt_io, mode)
-        monkeypatch.setattr(ckpt_io, mode,
-                            lambda *a, _real=real, _mode=mode: used.append(_mode) or _real(*a))
+    for fn in ("_save_posix", "_save_mpio", "_save_serial"):
+        real = getattr(ckpt_io, fn)
+        monkeypatch.setattr(ckpt_io, fn,
+                            lambda *a, _real=real, _fn=fn: used.append(_fn) or _real(*a))
     path, values = _save(comm, shared_dir, serial=serial)
-    assert used == ["_save_serial" if serial or not h5py.get_config().mpi else "_save_mpio"]
+    if mode == "mpio" and not h5py.get_config().mpi:
+        mode = "posix"
+    assert used == [f"_save_{mode}"]
     assert os.path.exists(path) and latest_checkpoint(shared_dir) == path
     # Same sharding.
     reqs = empty_requests(comm.size, comm.rank)
@@ -108,14 +112,58 @@ def test_serial_fallback_by_environment(comm, shared_dir, monkeypatch):
     read_pieces(path, reqs, comm=comm)
     _check(reqs, values)
     monkeypatch.delenv("MPIDIST_CHECKPOINT_SERIAL")
-    # The parallel writer produces a byte-identical set of tensors and checksums.
-    other, _ = _save(comm, os.path.join(shared_dir, "par"), step=3, serial=False)
+    # The parallel writers produce the same tensors, checksums and layout.
+    others = []
+    for mode in ("posix", "mpio"):
+        monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", mode)
+        other, _ = _save(comm, os.path.join(shared_dir, mode), step=3, serial=False)
+        others.append(other)
     comm.Barrier()
     if comm.rank == 0:
-        with h5py.File(path) as a, h5py.File(other) as b:
-            for n in model_tensors():
-                assert a[n][...].tobytes() == b[n][...].tobytes()
-                assert a[n].attrs["checksum_s2"] == b[n].attrs["checksum_s2"]
+        for other in others:
+            with h5py.File(path) as a, h5py.File(other) as b:
+                assert dict(a.attrs).keys() == dict(b.attrs).keys()
+                for n in model_tensors():
+                    assert a[n][...].tobytes() == b[n][...].tobytes()
+                    assert dict(a[n].attrs) == dict(b[n].attrs)
+                    assert a[n].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+                    assert b[n].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+
+
+@pytest.mark.parametrize("mode", ["posix", "mpio"])
+def test_empty_and_unevenly_owned_tensors(comm, shared_dir, mode, monkeypatch):
+    """Zero-size tensors, tensors written by one rank, ranks that write nothing."""
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", mode)
+    n, r = comm.size, comm.rank
+    tensors = {"e/zero": TensorInfo((0, 4), "float32"), "e/scalar": TensorInfo((), "int32"),
+               "only0": TensorInfo((5, 3), "float64"), "split": TensorInfo((n + 1, 3), "uint8")}
+    split = np.arange(3 * (n + 1), dtype=np.uint8).reshape(n + 1, 3)
+    pieces = [Piece("e/zero", slice(0, 0), np.empty(0, np.float32))]  # empty, every rank
+    if r == 0:
+        pieces.append(Piece("only0", slice(None), np.arange(15.0)))
+    if r == n - 1:
+        pieces.append(Piece("e/scalar", slice(0, 1), np.array([-7], np.int32)))
+        pieces.append(Piece("split", slice(0, 2 * 3), split.ravel()[:6]))
+    elif r == 1:  # rank 1 has everything else of "split"; ranks in between have none
+        pieces.append(Piece("split", slice(6, split.size), split.ravel()[6:]))
+    if n == 2 and r == 1:
+        pieces = [p for p in pieces if p.name != "split"] + [
+            Piece("split", slice(0, split.size), split.ravel())]
+    path = save_checkpoint(os.path.join(shared_dir, "e.h5"), tensors, pieces, {"step": 0},
+                           comm=comm)
+    reqs = ([Piece("split", slice(r, r + 2), np.empty(2, np.uint8))]
+            + ([Piece("e/scalar", slice(None), np.empty(1, np.int32))] if r == 0 else []))
+    read_pieces(path, reqs, comm=comm)
+    assert reqs[0].data.tolist() == split.ravel()[r:r + 2].tolist()
+    if r == 0:
+        assert reqs[1].data[0] == -7
+    comm.Barrier()
+    if r == 0:
+        verify_checkpoint(path, expected=tensors)
+        with h5py.File(path) as f:
+            assert f["e/zero"].shape == (0, 4)
+            np.testing.assert_array_equal(f["only0"][...], np.arange(15.0).reshape(5, 3))
+            np.testing.assert_array_equal(f["split"][...], split)
 
 
 def test_retention_and_latest_collective(comm, shared_dir):
