@@ -485,14 +485,6 @@ class _MeteredOptimizer(ShardedOptimizer):
                     progress()
         return local_loss
 
-    def _global_loss(self, model: ShardedModel, local_loss: float) -> float:
-        loss = np.array([local_loss])
-        C.allreduce(loss, "sum", comm=model.comm)
-        return float(loss[0])
-
-    def _lr(self) -> float | None:
-        return self.lr_schedule(self.step_count) if self.lr_schedule is not None else None
-
 
 def _check_int(owner: str, name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -564,11 +556,7 @@ class LocalSGDOptimizer(_MeteredOptimizer):
         if self.config.max_grad_norm is not None:
             norm = n * float(np.sqrt(model.grad_sq_norm()))
             scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
-        lr = self._lr()
-        for p, g, st in self._pieces:
-            self.base.update(p, g, st, grad_scale=scale, lr=lr)
-        assert self.state is not None
-        self.state.step = self._pieces[0][2].step
+        self._apply_update(scale)
         self.step_count += 1
         t2 = time.perf_counter()
         if self.step_count % self.sync_every == 0:

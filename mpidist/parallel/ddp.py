@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from mpidist import collectives as C
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
+from mpidist.parallel.engine import ReplicatedParameters, ShardedModel, ShardedOptimizer
 
 __all__ = ["DDPModel", "DDPOptimizer", "ZeRO1Model", "ZeRO1Optimizer"]
 
 
-class DDPModel(ShardedModel):
+class DDPModel(ReplicatedParameters, ShardedModel):
     """A model whose gradients are averaged over the data-parallel group (PyTorch DDP).
 
     Construction is collective over the mesh: the parameters are initialised
@@ -62,13 +62,6 @@ class DDPModel(ShardedModel):
 
     def zero_grad(self) -> None:
         self.grads.fill(0)
-
-    def forward(self, x: Any, ctx: Any = None) -> Any:
-        """Forward through every unit. Not collective."""
-        h = x
-        for unit in self.units:
-            h = unit.forward(h, ctx)
-        return h
 
     def _start_bucket(self, i: int) -> None:
         b = self.buckets[i]
@@ -122,13 +115,6 @@ class DDPModel(ShardedModel):
         # Synchronised gradients are identical on every rank: no communication needed.
         return float(np.dot(self.grads, self.grads))
 
-    def full_parameters(self) -> dict[str, np.ndarray]:
-        return {n: v.copy() for n, v in self.layout.full_views(self.params).items()}
-
-    def load_full_parameters(self, params: dict[str, np.ndarray]) -> None:
-        views = self.layout.full_views(self.params)
-        for name, arr in params.items():
-            views[name][...] = arr
 
 
 class ZeRO1Model(DDPModel):
@@ -149,11 +135,7 @@ class ZeRO1Model(DDPModel):
 
     def after_update(self) -> None:
         """Allgather every unit's updated shards. Collective over dp."""
-        if self.dp_size == 1:
-            return
-        reqs = [C.iallgather_inplace(self.layout.unit_full(u, self.params), comm=self.comm)
-                for u in range(len(self.layout.units))]
-        C.wait_all(reqs)
+        self.allgather_shards()
 
 
 class DDPOptimizer(ShardedOptimizer):

@@ -33,7 +33,7 @@ from mpidist.buffers import ShardedLayout
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.parallel.config import ShardingConfiguration
 
-__all__ = ["OptimizationResult", "ShardedModel", "ShardedOptimizer"]
+__all__ = ["OptimizationResult", "ReplicatedParameters", "ShardedModel", "ShardedOptimizer"]
 
 
 def _units_of(module: Any) -> list[Any]:
@@ -275,6 +275,35 @@ class ShardedModel:
                 f"dp={self.dp_size}, dtype={self.dtype})")
 
 
+class ReplicatedParameters:
+    """Mixin for models that keep all their parameters in one full-layout array ``params``
+    (DDP, ZeRO-1, ZeRO-2): forward needs no gathering, whole tensors are views, and after a
+    sharded update every rank's shards are allgathered."""
+
+    def forward(self: Any, x: Any, ctx: Any = None) -> Any:
+        """Forward through every unit. Not collective."""
+        h = x
+        for unit in self.units:
+            h = unit.forward(h, ctx)
+        return h
+
+    def full_parameters(self: Any) -> dict[str, np.ndarray]:
+        return {n: v.copy() for n, v in self.layout.full_views(self.params).items()}
+
+    def load_full_parameters(self: Any, params: dict[str, np.ndarray]) -> None:
+        views = self.layout.full_views(self.params)
+        for name, arr in params.items():
+            views[name][...] = arr
+
+    def allgather_shards(self: Any) -> None:
+        """Allgather every unit's updated shards into ``params``. Collective over dp."""
+        if self.dp_size == 1:
+            return
+        reqs = [C.iallgather_inplace(self.layout.unit_full(u, self.params), comm=self.comm)
+                for u in range(len(self.layout.units))]
+        C.wait_all(reqs)
+
+
 @dataclass
 class OptimizationResult:
     """What :meth:`ShardedOptimizer.optimize` returns."""
@@ -408,10 +437,29 @@ class ShardedOptimizer:
         """
         model = self._resolve(model)
         x, y = batch
+        t0 = time.perf_counter()
+        local_loss = self._forward_backward(model, x, y)
+        t1 = time.perf_counter()
+        model.finish_gradient_sync()
+        t2 = time.perf_counter()
+        self._apply_update(self._clip_scale(model))
+        t3 = time.perf_counter()
+        model.after_update()
+        loss = self._global_loss(model, local_loss)
+        t4 = time.perf_counter()
+        self.step_count += 1
+        self.timers["compute"] += t1 - t0
+        self.timers["communication"] += (t2 - t1) + (t4 - t3)
+        self.timers["update"] += t3 - t2
+        return loss
+
+    # The pieces of a step, which the other strategies reuse or override.
+    def _forward_backward(self, model: ShardedModel, x: Any, y: Any) -> float:
+        """Validate the batch, then forward and backward of every micro-batch, gradients
+        synchronised during the last one. Returns this rank's share of the loss."""
         b = self._check_batch(model, x, y)
         m = self.config.micro_batches
         normalizer = self._count(y, self.loss) * model.dp_size
-        t0 = time.perf_counter()
         model.zero_grad()
         local_loss = 0.0
         size = b // m
@@ -421,27 +469,34 @@ class ShardedOptimizer:
                 out = model.forward(xs, ctx=i)
                 local_loss += self.loss.forward(out, ys, normalizer=normalizer, ctx=i)
                 model.backward(self.loss.backward(ctx=i), ctx=i)
-        t1 = time.perf_counter()
-        model.finish_gradient_sync()
-        t2 = time.perf_counter()
-        scale = 1.0
-        if self.config.max_grad_norm is not None:
-            norm = float(np.sqrt(model.grad_sq_norm()))
-            scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))
-        lr = self.lr_schedule(self.step_count) if self.lr_schedule is not None else None
+        return local_loss
+
+    def _lr(self) -> float | None:
+        """This step's learning rate from the schedule (None: the optimizer's own)."""
+        return self.lr_schedule(self.step_count) if self.lr_schedule is not None else None
+
+    def _clip_scale(self, model: ShardedModel) -> float:
+        """The clipping factor ``min(1, max_norm / (norm + 1e-6))`` (torch's), or 1."""
+        if self.config.max_grad_norm is None:
+            return 1.0
+        norm = float(np.sqrt(model.grad_sq_norm()))
+        return min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+
+    def _apply_update(self, scale: float) -> None:
+        """One fused kernel update of every local piece with ``grad_scale=scale``."""
+        lr = self._lr()
         for p, g, st in self._pieces:
             self.base.update(p, g, st, grad_scale=scale, lr=lr)
         assert self.state is not None
         self.state.step = self._pieces[0][2].step if self._pieces else self.state.step + 1
-        t3 = time.perf_counter()
-        model.after_update()
+
+    def _loss_group(self, model: ShardedModel) -> Any:
+        """The group whose ranks' local losses add up to the global loss."""
+        return model.comm
+
+    def _global_loss(self, model: ShardedModel, local_loss: float) -> float:
         loss = np.array([local_loss])
-        C.allreduce(loss, "sum", comm=model.comm)
-        t4 = time.perf_counter()
-        self.step_count += 1
-        self.timers["compute"] += t1 - t0
-        self.timers["communication"] += (t2 - t1) + (t4 - t3)
-        self.timers["update"] += t3 - t2
+        C.allreduce(loss, "sum", comm=self._loss_group(model))
         return float(loss[0])
 
     def optimize(self, model: Any, data: Any, steps: int, *, global_batch_size: int,

@@ -28,7 +28,6 @@ loads into DDP (and any other strategy or mesh) and vice versa.
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -530,48 +529,26 @@ class HybridShardedOptimizer(ShardedOptimizer):
             )
         return b
 
-    def step(self, model: Any, batch: tuple[Any, Any]) -> float:
-        """One training step; returns the global-batch loss on every rank.
-
-        Collective over the mesh: every rank passes the local batch of its dp index (the
-        same samples on all pp and tp ranks of that index).
-        """
-        model = self._resolve(model)
+    def _forward_backward(self, model: ShardedModel, x: Any, y: Any) -> float:
+        """Every micro-batch through the pipeline schedule (forward and backward), gradients
+        synchronised over dp during the last one. Collective over the mesh: every rank
+        passes the local batch of its dp index (the same samples on all pp and tp ranks of
+        that index). Returns the last stage's share of the loss, 0.0 on other stages."""
         assert isinstance(model, HybridModel)
-        x, y = batch
         b = self._check_batch(model, x, y)
         m = self.config.micro_batches
         normalizer = self._count(y, self.loss) * model.dp_size
         size = b // m
-        t0 = time.perf_counter()
         model.zero_grad()
-        local_loss = model.run_pipeline(
+        return model.run_pipeline(
             [x[i * size:(i + 1) * size] for i in range(m)],
             [y[i * size:(i + 1) * size] for i in range(m)],
             self.loss, normalizer=normalizer, schedule=self.schedule)
-        t1 = time.perf_counter()
-        model.finish_gradient_sync()
-        t2 = time.perf_counter()
-        scale = 1.0
-        if self.config.max_grad_norm is not None:
-            norm = float(np.sqrt(model.grad_sq_norm()))
-            scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))
-        lr = self.lr_schedule(self.step_count) if self.lr_schedule is not None else None
-        for p, g, st in self._pieces:
-            self.base.update(p, g, st, grad_scale=scale, lr=lr)
-        assert self.state is not None
-        self.state.step = self._pieces[0][2].step if self._pieces else self.state.step + 1
-        t3 = time.perf_counter()
-        model.after_update()
+
+    def _loss_group(self, model: ShardedModel) -> Any:
         # Only the last stage has a loss (the same on its tp ranks): sum over pp and dp.
-        loss = np.array([local_loss])
-        C.allreduce(loss, "sum", comm=model.loss_comm)
-        t4 = time.perf_counter()
-        self.step_count += 1
-        self.timers["compute"] += t1 - t0
-        self.timers["communication"] += (t2 - t1) + (t4 - t3)
-        self.timers["update"] += t3 - t2
-        return float(loss[0])
+        assert isinstance(model, HybridModel)
+        return model.loss_comm
 
     def evaluate(self, model: Any, data: Any, *, batches: int, global_batch_size: int,
                  seed: int = 0) -> float:

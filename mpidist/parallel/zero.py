@@ -23,7 +23,12 @@ from typing import Any
 import numpy as np
 
 from mpidist import collectives as C
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
+from mpidist.parallel.engine import (
+    ReplicatedParameters,
+    ShardedModel,
+    ShardedOptimizer,
+    _has_units,
+)
 
 __all__ = [
     "FSDPModel",
@@ -76,7 +81,7 @@ class _ReduceScatterUnits:
         return float(total[0])
 
 
-class ZeRO2Model(_ReduceScatterUnits, ShardedModel):
+class ZeRO2Model(_ReduceScatterUnits, ReplicatedParameters, ShardedModel):
     """Full parameters, sharded gradients and optimizer state (ZeRO stage 2).
 
     Construction is collective over the mesh. Parameters shared between units (tied
@@ -99,13 +104,6 @@ class ZeRO2Model(_ReduceScatterUnits, ShardedModel):
         for u in range(len(self.units)):
             self.layout.unit_full(u, self.params)[:] = self._init_unit(u)
         C.broadcast(self.params, 0, comm=self.comm)
-
-    def forward(self, x: Any, ctx: Any = None) -> Any:
-        """Forward through every unit. Not collective."""
-        h = x
-        for unit in self.units:
-            h = unit.forward(h, ctx)
-        return h
 
     def backward(self, dy: Any, ctx: Any = None) -> Any:
         """Backward unit by unit; each unit's gradients are reduce-scattered as soon as the
@@ -133,19 +131,7 @@ class ZeRO2Model(_ReduceScatterUnits, ShardedModel):
 
     def after_update(self) -> None:
         """Allgather every unit's updated shards. Collective over dp."""
-        if self.dp_size == 1:
-            return
-        reqs = [C.iallgather_inplace(self.layout.unit_full(u, self.params), comm=self.comm)
-                for u in range(len(self.layout.units))]
-        C.wait_all(reqs)
-
-    def full_parameters(self) -> dict[str, np.ndarray]:
-        return {n: v.copy() for n, v in self.layout.full_views(self.params).items()}
-
-    def load_full_parameters(self, params: dict[str, np.ndarray]) -> None:
-        views = self.layout.full_views(self.params)
-        for name, arr in params.items():
-            views[name][...] = arr
+        self.allgather_shards()
 
 
 class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
@@ -243,11 +229,6 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
         for name, arr in params.items():
             views[name][...] = arr
         self.scatter_state(full, self.param_shard)
-
-
-def _has_units(module: Any) -> bool:
-    units = getattr(module, "units", None)
-    return units is not None and len(list(units)) > 1
 
 
 class ZeRO2Optimizer(ShardedOptimizer):
