@@ -185,6 +185,9 @@ def _maybe_check(comm: Any, name: str, a: Any, extra: str = "") -> None:
 
 
 # -- requests -----------------------------------------------------------------------------
+_LIVE: set[Request] = set()
+
+
 class Request:
     """A pending nonblocking operation. ``wait()`` completes it and returns its result.
 
@@ -204,11 +207,16 @@ class Request:
         self._finish = finish
         self._done = False
         self._keep = keep  # buffers MPI reads or writes until completion stay alive
+        if self._reqs:
+            # A request in flight outlives whoever started it (a dropped model, a failed
+            # test): its MPI requests and buffers must stay alive until MPI is done.
+            _LIVE.add(self)
 
     def _complete(self) -> Any:
         if not self._done:
             self._done = True
             self._keep = ()
+            _LIVE.discard(self)
             if self._finish is not None:
                 out = self._finish()
                 if out is not None:

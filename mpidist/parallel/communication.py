@@ -155,6 +155,9 @@ class CountingComm:
         return self._comm.Bcast(buf, root=root)
 
 
+_IN_FLIGHT: list[_Chain] = []
+
+
 class _Chain:
     """A multi-phase nonblocking exchange with DDP's request interface (``wait``/``test``).
 
@@ -175,6 +178,12 @@ class _Chain:
         self._gate = gate
         if gate is not None:
             gate.append(self)
+        # An exchange still in flight must outlive whoever started it: were its MPI
+        # requests (and with them its buffers) garbage-collected, MPI would write into
+        # freed memory. Finished chains leave the registry when next it is swept.
+        _IN_FLIGHT[:] = [c for c in _IN_FLIGHT if not c.done]
+        if not self.done:
+            _IN_FLIGHT.append(self)
 
     def _can_advance(self) -> bool:
         return self._gate is None or self._gate[0] is self
