@@ -44,7 +44,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     micro_batches: int = 1
     global_batch: int = 32
-    steps: int = 400
+    steps: int = 600
     dtype: str = "float32"
     optimizer: str = "adamw"
     lr: float = 3e-3
@@ -53,12 +53,12 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
     seed: int = 0
-    n_layer: int = 3
+    n_layer: int = 4
     n_head: int = 4
-    n_embd: int = 96
+    n_embd: int = 128
     block_size: int = 64
     vocab_size: int = 256
-    checkpoint_interval: int = 100
+    checkpoint_interval: int = 200
     keep: int = 3
     resume: bool = False
     eval_interval: int = 50
