@@ -45,8 +45,7 @@ def training_tensors(opt: Any) -> dict[str, TensorInfo]:
     dtype = np.dtype(model.dtype).name
     # A pipeline or tensor-parallel model holds only part of the model; it knows the
     # global shapes of every tensor.
-    shapes = getattr(model, "global_shapes", None) or {
-        s.name: s.shape for u in model.layout.units for s in u.specs}
+    shapes = model.tensor_shapes()
     out = {f"params/{n}": TensorInfo(shape, dtype) for n, shape in shapes.items()}
     for key in opt.state.buffers:
         out.update({f"optimizer/{key}/{n}": TensorInfo(shape, dtype)

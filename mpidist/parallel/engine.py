@@ -225,6 +225,28 @@ class ShardedModel:
         C.wait_all(reqs)
         return full
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the whole model with its global shape. Pure."""
+        return {s.name: s.shape for u in self.layout.units for s in u.specs}
+
+    @property
+    def global_layout(self) -> ShardedLayout:
+        """The layout of the whole model's tensors (what serialised bytes describe)."""
+        return self.layout
+
+    def state_tensors(self, local: np.ndarray) -> dict[str, np.ndarray]:
+        """A state array of this rank as whole named tensors (copies). Collective."""
+        full = self.gather_state(local)
+        return {n: v.copy() for n, v in self.layout.full_views(full).items()}
+
+    def load_state_tensors(self, tensors: dict[str, np.ndarray], local: np.ndarray) -> None:
+        """Fill this rank's state array from whole named tensors. Not collective."""
+        full = np.zeros(self.layout.full_size, dtype=local.dtype)
+        views = self.layout.full_views(full)
+        for name, arr in tensors.items():
+            views[name][...] = arr
+        self.scatter_state(full, local)
+
     def scatter_state(self, full: np.ndarray, local: np.ndarray) -> None:
         """Copy this rank's part of a full-layout state array into ``local``. Not collective."""
         if not self.shards_state:
@@ -603,10 +625,7 @@ class ShardedOptimizer:
         model = self._require_model()
         assert self.state is not None
         params = model.full_parameters()
-        state: dict[str, dict[str, np.ndarray]] = {}
-        for key, local in self.state.buffers.items():
-            full = model.gather_state(local)
-            state[key] = {n: v.copy() for n, v in model.layout.full_views(full).items()}
+        state = {key: model.state_tensors(local) for key, local in self.state.buffers.items()}
         return {
             "strategy": self.strategy,
             "step": int(self.state.step),
@@ -624,7 +643,7 @@ class ShardedOptimizer:
         """
         model = self._require_model()
         assert self.state is not None
-        expected = {s.name: s.shape for u in model.layout.units for s in u.specs}
+        expected = model.tensor_shapes()
         _check_names("parameters", expected, d.get("params", {}))
         if d.get("optimizer", {}).get("name") != self.base.name:
             raise ValueError(
@@ -640,11 +659,7 @@ class ShardedOptimizer:
             _check_names(f"optimizer state {key!r}", expected, state[key])
         model.load_full_parameters(d["params"])
         for key, local in self.state.buffers.items():
-            full = np.zeros(model.layout.full_size, dtype=local.dtype)
-            views = model.layout.full_views(full)
-            for name, arr in state[key].items():
-                views[name][...] = arr
-            model.scatter_state(full, local)
+            model.load_state_tensors(state[key], local)
         self.state.step = int(d["step"])
         self.step_count = int(d.get("steps_taken", d["step"]))
         data = d.get("data")
@@ -685,7 +700,7 @@ class ShardedOptimizer:
         """The whole training state as self-describing bytes (no pickle). Collective."""
         from mpidist.parallel.serialization import dumps
 
-        return dumps(self.state_dict(), model_layout=self._require_model().layout)
+        return dumps(self.state_dict(), model_layout=self._require_model().global_layout)
 
     def deserialize(self, data: bytes) -> None:
         """Restore from :meth:`serialize` bytes of the same strategy and model. Not collective.
@@ -696,7 +711,7 @@ class ShardedOptimizer:
         from mpidist.parallel.serialization import loads
 
         model = self._require_model()
-        d = loads(data, expect_strategy=self.strategy, model_layout=model.layout)
+        d = loads(data, expect_strategy=self.strategy, model_layout=model.global_layout)
         self.load_state_dict(d)
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ from mpidist.buffers import ShardedLayout
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, ZeRO1Model
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, _check_names, _units_of
+from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, _units_of
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule, partition_units
 from mpidist.parallel.zero import ZeRO2Model
 
@@ -158,7 +158,7 @@ class HybridModel(ShardedModel):
         self.balance = balance
         # Global bookkeeping (single-process names and shapes), for whole-tensor state.
         self.global_shapes = {n: tuple(s) for n, s in module.named_parameter_shapes()}
-        self.global_layout = ShardedLayout(
+        self._global_layout = ShardedLayout(
             [u.named_parameter_shapes() for u in global_units], 1, 0)
         self.stage_names = [
             [n for u in global_units[a:b] for n, _ in u.named_parameter_shapes()]
@@ -381,6 +381,21 @@ class HybridModel(ShardedModel):
             add(f"optimizer/{key}/", buf, self.shards_state)
         return out
 
+    @property
+    def global_layout(self) -> ShardedLayout:
+        """The single-process layout of the whole model (all stages, unsplit tensors)."""
+        return self._global_layout
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.global_shapes)
+
+    def state_tensors(self, local: np.ndarray) -> dict[str, np.ndarray]:
+        """A state array as whole global tensors of every stage. Collective over the mesh."""
+        return self.global_tensors(self.gather_state(local))
+
+    def load_state_tensors(self, tensors: dict[str, np.ndarray], local: np.ndarray) -> None:
+        self.scatter_state(self.local_full(tensors, local.dtype), local)
+
     def full_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter as a global array. Collective over the mesh."""
         return self.global_tensors(self.params)
@@ -567,75 +582,3 @@ class HybridShardedOptimizer(ShardedOptimizer):
                                            schedule=self.schedule, train=False)
         C.allreduce(total, "sum", comm=model.loss_comm)
         return float(total[0])
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Parameters and optimizer state as FULL global named arrays (the single-process
-        names and shapes), the same on every rank. Collective over the mesh. Loadable by
-        any strategy and mesh."""
-        model = self._require_model()
-        assert isinstance(model, HybridModel) and self.state is not None
-        params = model.full_parameters()
-        state = {key: model.global_tensors(model.gather_state(local))
-                 for key, local in self.state.buffers.items()}
-        return {
-            "strategy": self.strategy,
-            "step": int(self.state.step),
-            "steps_taken": int(self.step_count),
-            "optimizer": self.base.config(),
-            "params": params,
-            "state": state,
-            "data": None if self.sampler is None else self.sampler.state_dict(),
-        }
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Load a state dict of any strategy and mesh (global tensors). Not collective.
-
-        Raises ValueError naming missing or unexpected tensors and shape mismatches.
-        """
-        model = self._require_model()
-        assert isinstance(model, HybridModel) and self.state is not None
-        _check_names("parameters", model.global_shapes, d.get("params", {}))
-        if d.get("optimizer", {}).get("name") != self.base.name:
-            raise ValueError(
-                f"state dict is for optimizer {d.get('optimizer', {}).get('name')!r}, "
-                f"this one is {self.base.name!r}"
-            )
-        state = d.get("state", {})
-        if sorted(state) != sorted(self.state.buffers):
-            raise ValueError(
-                f"optimizer state names {sorted(state)} differ from {sorted(self.state.buffers)}"
-            )
-        for key in state:
-            _check_names(f"optimizer state {key!r}", model.global_shapes, state[key])
-        model.load_full_parameters(d["params"])
-        for key, local in self.state.buffers.items():
-            model.scatter_state(model.local_full(state[key], local.dtype), local)
-        self.state.step = int(d["step"])
-        self.step_count = int(d.get("steps_taken", d["step"]))
-        data = d.get("data")
-        if data is not None:
-            if self.sampler is not None:
-                self.sampler.load_state_dict(data)
-            else:
-                self._data_state = dict(data)
-        for _, _, st in self._pieces:
-            st.step = self.state.step
-
-    def serialize(self) -> bytes:
-        """The whole training state as self-describing bytes (global tensors). Collective."""
-        from mpidist.parallel.serialization import dumps
-
-        model = self._require_model()
-        assert isinstance(model, HybridModel)
-        return dumps(self.state_dict(), model_layout=model.global_layout)
-
-    def deserialize(self, data: bytes) -> None:
-        """Restore from :meth:`serialize` bytes of a hybrid run of the same model (any
-        mesh). Not collective."""
-        from mpidist.parallel.serialization import loads
-
-        model = self._require_model()
-        assert isinstance(model, HybridModel)
-        self.load_state_dict(loads(data, expect_strategy=self.strategy,
-                                   model_layout=model.global_layout))
