@@ -27,16 +27,21 @@ import mpidist.optim as optim
 from mpidist.kernels import cpu
 
 
-def timeit(fn: Callable[[], object], repeats: int) -> float:
-    """Best (as STREAM reports) seconds of ``repeats`` calls after one warm-up call: the
-    machine may be shared, and the minimum is the least disturbed measurement."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def interleaved(jobs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best (as STREAM reports) seconds of each job over ``repeats`` rounds, after one
+    warm-up call each. Every round times every job once, in an order rotated from round to
+    round, so no job is favoured by when it ran (clock, page state, other load): timing the
+    kernels one after the other made the same kernel 20-40% slower when it came later."""
+    keys = list(jobs)
+    for k in keys:
+        jobs[k]()
+    best = dict.fromkeys(keys, float("inf"))
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            t0 = time.perf_counter()
+            jobs[k]()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def numpy_adam(p, g, m, v, state, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, decoupled=False):
@@ -77,36 +82,27 @@ def main() -> None:
         return rng.standard_normal(n).astype(dt)
 
     rows: list[tuple[str, float, int, str | None, str | None]] = []  # name, s, bytes, np, torch
-    times: dict[str, float] = {}
+    jobs: dict[str, Callable[[], object]] = {}
 
-    def bench_triad() -> None:
-        a, b, c = arr(), arr(), arr()
-        s = dt.type(0.5)
-        times["triad"] = timeit(lambda: cpu.triad(a, b, c, s), args.repeats)
-        # In place (a = a + s*c): the written array is also read, as in the optimizer kernels,
-        # so no write-allocate traffic hides behind the 12 counted bytes.
-        times["triad in place"] = timeit(lambda: cpu.triad(a, a, c, s), args.repeats)
-
-    def bench_mpidist_and_numpy() -> None:
-        for name, opt in (
-            ("adam", optim.Adam()),
-            ("adamw", optim.AdamW()),
-            ("sgd", optim.SGD(momentum=0.9)),
-        ):
-            st = opt.init_state(p)
-            times[name] = timeit(lambda opt=opt, st=st: opt.update(p, g, st), args.repeats)
-        m, v, buf, np_state = np.zeros(n, dt), np.zeros(n, dt), np.zeros(n, dt), {"step": 0}
-        times["numpy adam"] = timeit(lambda: numpy_adam(p, g, m, v, np_state), args.repeats)
-        times["numpy adamw"] = timeit(
-            lambda: numpy_adam(p, g, m, v, np_state, wd=1e-2, decoupled=True), args.repeats
-        )
-        times["numpy sgd"] = timeit(lambda: numpy_sgd_momentum(p, g, buf), args.repeats)
+    a_, b_, c_ = arr(), arr(), arr()
+    half = dt.type(0.5)
+    jobs["triad"] = lambda: cpu.triad(a_, b_, c_, half)
+    # In place (a = a + s*c): the written array is also read, as in the optimizer kernels,
+    # so no write-allocate traffic hides behind the 12 counted bytes.
+    jobs["triad in place"] = lambda: cpu.triad(a_, a_, c_, half)
 
     p, g = arr(), arr()
-    bench_triad()
-    rows.append(("stream triad a=b+s*c", times["triad"], 3 * width, None, None))
-    rows.append(("stream triad in place a=a+s*c", times["triad in place"], 3 * width, None, None))
-    bench_mpidist_and_numpy()
+    for name, opt in (
+        ("adam", optim.Adam()),
+        ("adamw", optim.AdamW()),
+        ("sgd", optim.SGD(momentum=0.9)),
+    ):
+        st = opt.init_state(p)
+        jobs[name] = lambda opt=opt, st=st: opt.update(p, g, st)
+    m, v, buf, np_state = np.zeros(n, dt), np.zeros(n, dt), np.zeros(n, dt), {"step": 0}
+    jobs["numpy adam"] = lambda: numpy_adam(p, g, m, v, np_state)
+    jobs["numpy adamw"] = lambda: numpy_adam(p, g, m, v, np_state, wd=1e-2, decoupled=True)
+    jobs["numpy sgd"] = lambda: numpy_sgd_momentum(p, g, buf)
 
     torch_version = None
     try:
@@ -123,12 +119,16 @@ def main() -> None:
         ):
             try:
                 topt = make()
-                times[key] = timeit(topt.step, args.repeats)
+                topt.step()
+                jobs[key] = topt.step
             except (RuntimeError, TypeError, ValueError) as e:  # fused CPU needs torch >= 2.4
                 print(f"{key}: not available ({e})")
     except ImportError:
         pass
 
+    times = interleaved(jobs, args.repeats)
+    rows.append(("stream triad a=b+s*c", times["triad"], 3 * width, None, None))
+    rows.append(("stream triad in place a=a+s*c", times["triad in place"], 3 * width, None, None))
     for name, label, nbytes in (
         ("adam", "mpidist Adam (fused)", 7 * width),
         ("adamw", "mpidist AdamW (fused)", 7 * width),
