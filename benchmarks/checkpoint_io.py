@@ -8,6 +8,8 @@ into units and sharded over the ranks with ``ShardedLayout`` (ZeRO-style pieces 
 align with rows). Per repetition it times, with a Barrier before and after each:
 
 * raw write: every rank ``tofile`` of its shard's bytes to its own file, then ``fsync``;
+  each repetition writes new files (as training writes a new checkpoint file each time),
+  the previous repetition's being deleted before the clock starts;
 * save: :func:`save_checkpoint` (checksums, parallel HDF5 or the serial fallback, fsync,
   atomic rename, ``latest`` pointer);
 * raw read: every rank ``fromfile`` of its file;
@@ -96,31 +98,42 @@ def main() -> None:
 
     base = tempfile.mkdtemp(prefix="mpidist-bench-ckpt-", dir=args.dir) if rank == 0 else None
     base = comm.bcast(base, root=0)
-    raw_path = os.path.join(base, f"raw-{rank}.bin")
-    ckpt = os.path.join(base, "ckpt-00000001.h5")
     outs = [Piece(p.name, p.flat, np.empty_like(p.data)) for p in pieces]
     best: dict[str, float] = {}
     try:
-        for _ in range(args.repeats):
-            def raw_write() -> None:
+        for rep in range(args.repeats):
+            # Fresh names every repetition for both, as training writes a new file per
+            # checkpoint; the previous repetition's files are deleted before the clock
+            # starts (freeing a replaced file's blocks is otherwise timed into the rename
+            # or the truncation).
+            raw_path = os.path.join(base, f"raw-{rep}-{rank}.bin")
+            ckpt = os.path.join(base, f"ckpt-{rep + 1:08d}.h5")
+            if rep:
+                os.remove(os.path.join(base, f"raw-{rep - 1}-{rank}.bin"))
+                if rank == 0:
+                    os.remove(os.path.join(base, f"ckpt-{rep:08d}.h5"))
+            comm.Barrier()
+
+            def raw_write(raw_path: str = raw_path) -> None:
                 with open(raw_path, "wb") as fh:
                     raw_data.tofile(fh)
                     fh.flush()
                     os.fsync(fh.fileno())
 
             t = {"raw write": timed(comm, raw_write),
-                 "save": timed(comm, lambda: save_checkpoint(
+                 "save": timed(comm, lambda ckpt=ckpt: save_checkpoint(
                      ckpt, tensors, pieces, {"step": 1, "world_size": size}, comm=comm))}
             drop_cache(raw_path)
             if rank == 0:
                 drop_cache(ckpt)
             comm.Barrier()
-            t["raw read"] = timed(comm, lambda: np.fromfile(raw_path, dtype=np.float32))
-            t["load (verified)"] = timed(comm, lambda: read_pieces(ckpt, outs, comm=comm))
+            t["raw read"] = timed(comm, lambda raw_path=raw_path: np.fromfile(
+                raw_path, dtype=np.float32))
+            t["load (verified)"] = timed(comm, lambda ckpt=ckpt: read_pieces(ckpt, outs, comm=comm))
             drop_cache(ckpt)
             comm.Barrier()
             t["load (no verify)"] = timed(
-                comm, lambda: read_pieces(ckpt, outs, comm=comm, verify=False))
+                comm, lambda ckpt=ckpt: read_pieces(ckpt, outs, comm=comm, verify=False))
             if not all(o.data.tobytes() == p.data.tobytes() for o, p in zip(outs, pieces,
                                                                              strict=True)):
                 raise SystemExit(f"[rank {rank}] loaded data differs from saved data")
