@@ -154,3 +154,28 @@ def test_overlap_off_gives_the_same_result(comm):
     model = opt.wrap(GPT(GPT_CONFIG))
     res = opt.optimize(model, data, 4, global_batch_size=B)
     np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_tied_embeddings_match_single_process(comm, strategy):
+    """The head reads the token embedding (tie_weights): both uses add into one gradient."""
+    from mpi4py import MPI
+
+    from mpidist.nn import GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                    tie_weights=True)
+    _, data, loss, make_opt = make_case("gpt")
+    losses = []
+    for c in (MPI.COMM_SELF, comm):
+        opt = STRATEGIES[strategy](make_opt(), ShardingConfiguration(
+            mesh=ProcessMesh(c), dtype="float64"), loss=loss)
+        model = opt.wrap(GPT(cfg), seed=0)
+        losses.append(opt.optimize(model, data, 5, global_batch_size=B).losses)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
+    for name in ("zero2", "zero3"):
+        with pytest.raises(ValueError, match="tied weights"):
+            STRATEGIES[name](make_opt(), ShardingConfiguration(mesh=ProcessMesh(comm))).wrap(
+                GPT(cfg))
+    comm.Barrier()
