@@ -126,9 +126,22 @@ $(DOCS_STAMP): $(DEPS_STAMP) pyproject.toml
 docs: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict
 
+# Every benchmark prints ratios against the limit or a peer measured in the same run
+# (docs/performance.md). BENCH_ENV: e.g. "env -u OPENBLAS_CORETYPE" where a machine sets
+# OpenBLAS variables that slow a current NumPy.
+BENCH_ENV ?=
 bench: warm
-	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
-	$(MPIEXEC) -n 4 $(PY) benchmarks/collectives.py
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/collectives.py; done
+	$(BENCH_ENV) $(PY) benchmarks/optimizer_kernels.py
+	$(BENCH_ENV) $(PY) benchmarks/model_step.py
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/ddp_overhead.py; done
+	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/zero_memory.py; done
+	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py; done
+	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/pipeline_bubble.py
+	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/compression.py; done
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache
