@@ -86,7 +86,7 @@ def run_elastic_training(cfg: Any, comm: Any = None) -> dict[str, Any]:
     from mpidist.optim import WarmupCosineSchedule
     from mpidist.parallel import ShardingConfiguration
     from mpidist.parallel.elastic import ElasticOptimizer
-    from mpidist.train import _jsonable, _make_optimizer, _save
+    from mpidist.train import _jsonable, _make_optimizer, _plot, _save
 
     joiner = ElasticOptimizer.is_joiner()
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -172,8 +172,11 @@ def run_elastic_training(cfg: Any, comm: Any = None) -> dict[str, Any]:
         val_loss = opt.evaluate(model, val_data, batches=cfg.eval_batches,
                                 global_batch_size=cfg.global_batch, seed=1234)
         metrics.write(rank == 0, step=cfg.steps, loss=val_loss, split="validation")
+    baseline = train_data.unigram_baseline()
     summary = {"strategy": "elastic", "inner_strategy": inner,
-               "world_size": opt.current_workers, "steps": cfg.steps,
+               "world_size": opt.current_workers,
+               "mesh": {"pp": 1, "dp": opt.current_workers, "tp": 1},
+               "unigram_baseline": baseline, "steps": cfg.steps,
                "steps_this_run": steps_done, "final_train_loss": loss,
                "final_validation_loss": val_loss, "seconds": seconds,
                "changes": [h for h in opt.history if h["event"] != "refused"]}
@@ -182,8 +185,11 @@ def run_elastic_training(cfg: Any, comm: Any = None) -> dict[str, Any]:
     if rank == 0:
         with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
+        _plot(os.path.join(cfg.out, "metrics.jsonl"), os.path.join(cfg.out, "loss.png"),
+              baseline)
         print(f"mpidist train (elastic, {inner}): {cfg.steps} steps, final loss {loss:.4f}, "
-              f"validation {val_loss:.4f}, {opt.current_workers} workers at the end", flush=True)
+              f"validation {val_loss:.4f} (unigram baseline {baseline:.4f}), "
+              f"{opt.current_workers} workers at the end; outputs in {cfg.out}/", flush=True)
     opt.comm.Barrier()
     opt.free()
     return summary
