@@ -341,14 +341,16 @@ class Dense(Linear):
         return super().backward(dy, ctx)
 
 
-class Sequential(Module):
-    """Runs its children in order (named ``"0"``, ``"1"``, ...); backward in reverse."""
+class ModuleList(Module):
+    """An indexable list of submodules (named ``"0"``, ``"1"``, ...) with no forward."""
 
-    def __init__(self, *modules: Module) -> None:
+    def __init__(self, modules: Iterable[Module] = ()) -> None:
         super().__init__()
         for i, m in enumerate(modules):
             if not isinstance(m, Module):
-                raise ValueError(f"Sequential item {i} is a {type(m).__name__}, not a Module")
+                raise ValueError(
+                    f"{type(self).__name__} item {i} is a {type(m).__name__}, not a Module"
+                )
             setattr(self, str(i), m)
 
     def __len__(self) -> int:
@@ -359,6 +361,12 @@ class Sequential(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return iter(self._children.values())
+
+class Sequential(ModuleList):
+    """Runs its children in order (named ``"0"``, ``"1"``, ...); backward in reverse."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__(modules)
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         for m in self._children.values():
@@ -369,23 +377,3 @@ class Sequential(Module):
         for m in reversed(self._children.values()):
             dy = m.backward(dy, ctx)
         return dy
-
-
-class ModuleList(Module):
-    """An indexable list of submodules (named ``"0"``, ``"1"``, ...) with no forward."""
-
-    def __init__(self, modules: Iterable[Module] = ()) -> None:
-        super().__init__()
-        for i, m in enumerate(modules):
-            if not isinstance(m, Module):
-                raise ValueError(f"ModuleList item {i} is a {type(m).__name__}, not a Module")
-            setattr(self, str(i), m)
-
-    def __len__(self) -> int:
-        return len(self._children)
-
-    def __getitem__(self, i: int) -> Module:
-        return list(self._children.values())[i]
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self._children.values())

@@ -46,7 +46,7 @@ from mpidist import collectives as C
 from .attention import residual_scale, softmax_lastdim
 from .init import init_value
 from .layers import GELU, Dropout, Embedding, LayerNorm, ModuleList, _float_input, check_features
-from .models import GPTConfig
+from .models import GPTConfig, GPTEmbedding
 from .module import Module
 
 __all__ = [
@@ -631,25 +631,10 @@ class TPGPTEmbedding(TensorParallelModule):
         self.wpe = Embedding(config.block_size, config.n_embd)
         self.drop = Dropout(config.dropout) if config.dropout > 0 else None
 
-    def forward(self, idx: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        idx = np.asarray(idx)
-        if idx.ndim != 2:
-            raise ValueError(f"token ids of shape {idx.shape} are not (batch, time)")
-        t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
-        x = self.wte.forward(idx, ctx)
-        x += self.wpe.forward(np.arange(t), ctx)
-        if self.drop is not None:
-            x = self.drop.forward(x, ctx)
-        return x
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
-        if self.drop is not None:
-            dy = self.drop.backward(dy, ctx)
-        self.wte.backward(dy, ctx)
-        self.wpe.backward(dy.sum(axis=0), ctx)
-        return None
+    # The same computation as the single-process embedding unit; only ``wte`` differs (its
+    # forward already allreduces the vocabulary-sharded lookups over tp).
+    forward = GPTEmbedding.forward
+    backward = GPTEmbedding.backward
 
 
 class TPGPTHead(TensorParallelModule):
