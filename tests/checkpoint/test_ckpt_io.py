@@ -395,3 +395,45 @@ def test_pread_past_end_is_corruption(tmp_path):
             ckpt_io._pread_array(fd, 8, out, np.dtype("<f4"), str(f))
     finally:
         os.close(fd)
+
+
+def _checksum_attrs(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, dict(obj.attrs))
+                     if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_fused_checksums_and_writeback_match_serial(tmp_path, monkeypatch):
+    """The posix mode checksums chunk by chunk while writing and patches the attributes
+    afterwards; tiny chunks and writeback ranges give the serial mode's sums and bytes."""
+    from mpidist.checkpoint import io as ckpt_io
+
+    ref, values = save(tmp_path / "serial", serial=True)
+    expect = _checksum_attrs(ref)
+    monkeypatch.setattr(ckpt_io, "FUSED_CHUNK_BYTES", 12)  # 3 float32 / 1.5 float64
+    calls = []
+    real = ckpt_io._sync_file_range()
+    if real is not None:
+        monkeypatch.setattr(ckpt_io, "_sync_file_range",
+                            lambda: lambda *a: calls.append(a[1:3]) or real(*a))
+    for mb in ("0", "0.00002", "32"):
+        monkeypatch.setenv("MPIDIST_CHECKPOINT_WRITEBACK_MB", mb)
+        calls.clear()
+        path, _ = save(tmp_path / f"posix-{mb}", serial=False)
+        assert _checksum_attrs(path) == expect, mb
+        assert verify_checkpoint(path)
+        reqs = all_requests()
+        read_pieces(path, reqs)
+        assert all(r.data.tobytes() == values[r.name].tobytes() for r in reqs)
+        if real is not None:
+            assert (len(calls) == 0) == (mb == "0"), (mb, len(calls))
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "nan"])
+def test_bad_writeback_setting(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_WRITEBACK_MB", value)
+    with pytest.raises(CheckpointError, match=f"MPIDIST_CHECKPOINT_WRITEBACK_MB='{value}'"):
+        save(tmp_path)
+    assert not tmp_path.exists() or os.listdir(tmp_path) == []
