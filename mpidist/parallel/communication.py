@@ -192,6 +192,8 @@ class _Chain:
         if self._gate is not None:
             self._gate.popleft()
             self._gate = None
+        for r in self._reqs:  # this phase is complete: its buffers may go
+            _PINNED.pop(id(r), None)
         nxt = self._then() if self._then is not None else None
         if nxt is None:
             self._reqs, self._then = [], None
@@ -221,11 +223,24 @@ class _Chain:
             self._advance()
 
 
+#: Buffers of nonblocking reductions in flight, by ``id`` of their MPI request. mpi4py
+#: (4.1) keeps a reference to the buffers of a nonblocking Iallgather, Ialltoallv or
+#: Isend, but not of an Iallreduce: were the array collected (its exchange dropped, say),
+#: MPI would write into freed memory, which showed up as heap corruption inside Open MPI's
+#: progress engine. A chain releases its phase's entries when the phase completes.
+_PINNED: dict[int, tuple[Any, np.ndarray]] = {}
+
+
 def _iallreduce(buf: np.ndarray, comm: Any) -> list[Any]:
-    """Start an in-place sum allreduce; [] on a group of one (or no communicator)."""
+    """Start an in-place sum allreduce; [] on a group of one (or no communicator).
+
+    ``buf`` stays referenced (:data:`_PINNED`) until the :class:`_Chain` that holds the
+    request sees it complete."""
     if comm is None or comm.Get_size() == 1:
         return []
-    return [comm.Iallreduce(_mpi().IN_PLACE, buf.reshape(-1), op=_mpi().SUM)]
+    req = comm.Iallreduce(_mpi().IN_PLACE, buf.reshape(-1), op=_mpi().SUM)
+    _PINNED[id(req)] = (req, buf)
+    return [req]
 
 
 def _iallgather(send: np.ndarray, recv: np.ndarray, comm: Any) -> list[Any]:

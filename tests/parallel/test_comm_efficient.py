@@ -254,3 +254,23 @@ def test_async_staleness_semantics(comm):
         ref_opt.base.update(ref.params, g, ref_opt._pieces[0][2])
     assert opt.in_flight == 0 and opt.applied == steps
     np.testing.assert_allclose(model.params, ref.params, **EXACT)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_inflight_allreduce_buffer_outlives_its_owner(comm):
+    """mpi4py keeps no reference to an Iallreduce's buffer: the chain must, until the
+    exchange completes, even when whoever started it dropped the array."""
+    import gc
+    import weakref
+
+    from mpidist.parallel import communication as ce
+
+    buf = np.full(1000, float(comm.Get_rank() + 1))
+    alive = weakref.ref(buf)
+    chain = ce._Chain(ce._iallreduce(buf, comm), None)
+    del buf
+    gc.collect()
+    assert alive() is not None, "an in-flight allreduce lost its buffer"
+    chain.wait()
+    gc.collect()
+    assert alive() is None, "a finished exchange still pins its buffer"
