@@ -10,10 +10,12 @@ For a small GPT (mpidist.nn, float32, Adam) and the running number of ranks:
 * memory: the planner's per-rank model-state bytes (``precision="fp32"``) against
   ``optimizer.memory_report()["total"]`` of DDP, ZeRO-1 and ZeRO-2;
 * communication: alpha and beta are calibrated here for each collective (a relative
-  least-squares fit at sizes around, never at, the gradient size), then the planner's
-  alpha-beta cost of each strategy's
-  gradient synchronisation (allreduce for DDP/ZeRO-1, reduce-scatter for ZeRO-2) of the
-  model's gradient bytes is compared with the measured collective.
+  least-squares fit at 8 B and at 1/2, 3/4, 3/2 and 2 times, never at, the gradient
+  size), then the planner's alpha-beta cost of each strategy's gradient synchronisation
+  (allreduce for DDP/ZeRO-1, reduce-scatter for ZeRO-2) of the model's gradient bytes is
+  compared with the measured collective on the strategy's gradient buffer. Every timed
+  collective, calibration and check alike, runs once per round, rounds repeated, and
+  keeps its best time.
 
 Goal: predictions within 10% of the measurements. Prints a table with the ratios.
 """
@@ -33,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=30, help="rounds over every collective")
     return p.parse_args(argv)
 
 
@@ -55,45 +57,58 @@ RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}
 
 
-def timed(fn, repeats: int) -> float:
-    """Best seconds over ``repeats`` calls (each the max over ranks), after one warm-up:
-    on a shared machine the minimum is the least disturbed measurement, for the
-    calibration and the checked collective alike."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return min(times)
+FACTORS = (0.5, 0.75, 1.5, 2.0)  # calibration sizes, relative to the predicted one
 
 
-def calibrate(kind: str, target_bytes: int, repeats: int) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of this machine's ``kind`` collective under the
-    planner's ring model (allreduce ``2(n-1)·alpha + 2(n-1)/n·S/beta``, reduce-scatter
-    ``(n-1)·alpha + (n-1)/n·S/beta``), fitted by least squares on the relative error.
+def timed_rounds(calls: dict, rounds: int) -> dict:
+    """Best seconds of every call (each the max over ranks), the calls interleaved round by
+    round, so drifting load on a shared machine hits them alike; the minimum is the least
+    disturbed measurement. Each timed call directly follows an untimed one of the same
+    collective: what ran before (another size, another collective) otherwise decides how
+    much of the buffers and of MPI's shared-memory segments is still in cache, which moved
+    the same 13 MB allreduce between 1.7 and 4.5 ms here."""
+    best = {k: float("inf") for k in calls}
+    for _ in range(rounds):
+        for k, fn in calls.items():
+            fn()
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return best
 
-    Each collective gets its own fit, at 8 B and at 1/4, 1/2, 2 and 4 times the size being
-    predicted (never at it): MPI libraries switch algorithms with the message size and use
-    different ones per collective (here Open MPI's shared-memory reduce-scatter costs more
-    than its allreduce), so one alpha-beta pair fitted on small allreduces mispredicts a
-    13 MB reduce-scatter by 2x. The check then tests the model's form near the size the
-    planner is asked about."""
-    n = SIZE
-    k_target = max(1, target_bytes // 4 // n) * n
-    sizes = [n] + [max(n, int(k_target * f) // n * n) for f in (0.25, 0.5, 2, 4)]
-    rows, ts = [], []
-    for k in sizes:
-        buf = np.zeros(k, dtype=np.float32)
+
+def collective_calls(kind: str, counts: list[int]) -> dict:
+    """``{(kind, count): call}`` of ``kind`` on float32 buffers of ``count`` elements."""
+    calls = {}
+    for k in counts:
+        buf = np.ones(k, dtype=np.float32)
         if kind == "allreduce":
-            ts.append(timed(lambda b=buf: C.allreduce(b, "sum", comm=COMM), repeats))
-            rows.append([2 * (n - 1), 2 * (n - 1) / n * buf.nbytes])
+            calls[(kind, k)] = lambda b=buf: C.allreduce(b, "sum", comm=COMM)
         else:
-            out = np.empty(k // n, dtype=np.float32)
-            ts.append(timed(lambda b=buf, o=out: C.reduce_scatter(b, "sum", comm=COMM, out=o),
-                            repeats))
-            rows.append([n - 1, (n - 1) / n * buf.nbytes])
+            out = np.empty(k // SIZE, dtype=np.float32)
+            calls[(kind, k)] = lambda b=buf, o=out: C.reduce_scatter(b, "sum", comm=COMM,
+                                                                      out=o)
+    return calls
+
+
+def fit(kind: str, times: dict[int, float]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of ``kind`` under the planner's ring model (allreduce
+    ``2(n-1)·alpha + 2(n-1)/n·S/beta``, reduce-scatter ``(n-1)·alpha + (n-1)/n·S/beta``),
+    fitted by least squares on the relative error to the measured ``{count: seconds}``.
+
+    Each collective gets its own fit, from 8 B and from sizes at 1/2, 3/4, 3/2 and 2 times
+    the size being predicted (never at it): MPI libraries switch algorithms with the
+    message size and use different ones per collective (here Open MPI's shared-memory
+    reduce-scatter costs more than its allreduce), so one alpha-beta pair fitted on small
+    allreduces mispredicts a 13 MB reduce-scatter by 2x. The check then tests the model's
+    form near the size the planner is asked about."""
+    n = SIZE
+    rows, ts = [], []
+    for k, t in times.items():
+        steps = 2 * (n - 1) if kind == "allreduce" else n - 1
+        rows.append([steps, steps / n * k * 4])
+        ts.append(t)
     w = 1.0 / np.array(ts)
     (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows) * w[:, None], np.ones(len(ts)),
                                             rcond=None)
@@ -106,27 +121,36 @@ def main(args: argparse.Namespace) -> int:
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     n_params = GPT(cfg).num_parameters()
-    fits = {kind: calibrate(kind, n_params * 4, args.repeats)
-            for kind in ("allreduce", "reduce_scatter")}
     rows = []
+    targets = {}
     for name in ("ddp", "zero1", "zero2"):
         opt = STRATEGIES[name](Adam(lr=1e-3), ShardingConfiguration(dtype="float32"))
         model = opt.wrap(GPT(cfg), seed=0)
         measured_mem = COMM.allreduce(opt.memory_report()["total"], op=MPI.MAX)
         predicted_mem = P.model_state_bytes(n_params, precision="fp32", optimizer="adam",
                                             zero_stage=STAGE[name], dp=SIZE)
-        full = model.layout.full_size
-        grads = np.zeros(full, dtype=np.float32)
+        targets[name] = model.layout.full_size  # the gradient buffer the strategy syncs
+        model.free()
+        rows.append([name, predicted_mem, measured_mem])
+    # Every collective of the check and of both calibrations, interleaved in rounds.
+    k_target = max(1, n_params // SIZE) * SIZE
+    cal_counts = [SIZE] + [max(SIZE, int(k_target * f) // SIZE * SIZE) for f in FACTORS]
+    calls = {}
+    for kind in ("allreduce", "reduce_scatter"):
+        calls.update(collective_calls(kind, cal_counts))
+    for name, full in targets.items():
+        kind = "reduce_scatter" if name == "zero2" else "allreduce"
+        calls[(name, full)] = collective_calls(kind, [full])[(kind, full)]
+    best = timed_rounds(calls, args.repeats)
+    fits = {kind: fit(kind, {k: best[(kind, k)] for k in cal_counts})
+            for kind in ("allreduce", "reduce_scatter")}
+    for row in rows:
+        name = row[0]
         if name == "zero2":
-            out = np.empty(full // SIZE, dtype=np.float32)
-            measured_t = timed(lambda g=grads, o=out: C.reduce_scatter(g, "sum", comm=COMM,
-                                                                       out=o), args.repeats)
             predicted_t = P.reduce_scatter_time(n_params * 4, SIZE, *fits["reduce_scatter"])
         else:
-            measured_t = timed(lambda g=grads: C.allreduce(g, "sum", comm=COMM), args.repeats)
             predicted_t = P.allreduce_time(n_params * 4, SIZE, *fits["allreduce"])
-        model.free()
-        rows.append((name, predicted_mem, measured_mem, predicted_t, measured_t))
+        row += [predicted_t, best[(name, targets[name])]]
     if RANK == 0:
         print(f"plan_check: {SIZE} ranks, GPT L={cfg.n_layer} E={cfg.n_embd} T={cfg.block_size} "
               f"({n_params / 1e6:.2f} M params, float32, Adam)")

@@ -13,10 +13,11 @@ with a tcp://127.0.0.1 init method), and mpidist DDP, ZeRO-1 and ZeRO-2 through
 
 Printed per configuration: median step time (max over ranks), gradient-sync time, per-rank
 bytes of parameters + gradients + optimizer state, and the losses' largest difference from
-torch DDP. Gradient-sync time is measured the same way for both libraries: the median time of
-the collective that synchronises the gradients (allreduce for DDP/ZeRO-1, reduce-scatter for
-ZeRO-2/FSDP) on a buffer of the model's gradient bytes, gloo for torch, MPI for mpidist;
-mpidist's in-step communication timer (``optimizer.timers``) is printed too. Ratios are
+torch DDP. Gradient-sync time is measured the same way for both libraries, after the
+training runs: the median time of the collective that synchronises the gradients (allreduce
+for DDP/ZeRO-1, reduce-scatter for ZeRO-2/FSDP) on a buffer of the model's gradient bytes,
+gloo for torch, MPI for mpidist, the two libraries' calls alternating (after one warm-up
+call each); mpidist's in-step communication timer (``optimizer.timers``) is printed too. Ratios are
 mpidist / torch (goal: step <= 1.0x, sync <= 0.5x). A PNG bar chart is written when
 matplotlib is installed, and a JSON file with every figure.
 """
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="rounds over all configurations")
-    p.add_argument("--repeats", type=int, default=10, help="timed collectives for sync time")
+    p.add_argument("--repeats", type=int, default=30,
+                   help="timed collectives per library for the sync time")
     p.add_argument("--threads", type=int, default=1, help="torch/BLAS threads per rank")
     p.add_argument("--out", default="runs/bench", help="directory for the PNG and JSON")
     return p.parse_args(argv)
@@ -92,17 +94,6 @@ def max_over_ranks(v: float) -> float:
     return float(COMM.allreduce(v, op=MPI.MAX))
 
 
-def timed(fn, n: int) -> float:
-    """Median seconds of ``fn`` (barrier first; max over ranks of each call)."""
-    times = []
-    for _ in range(n):
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(max_over_ranks(time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def torch_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of this rank's parameters, gradients and optimizer state tensors."""
     total = 0
@@ -123,7 +114,6 @@ def run_torch(kind: str, args: argparse.Namespace) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_model(args)
-    n_grad = sum(p.numel() for p in model.parameters())
     if kind == "torch-ddp":
         net = DDP(model)
         opt = torch.optim.Adam(net.parameters(), lr=LR)
@@ -153,17 +143,7 @@ def run_torch(kind: str, args: argparse.Namespace) -> dict:
 
     times = train(step, args)
     mem = torch_bytes(net, opt)
-    flat = torch.zeros(n_grad, dtype=torch.float32)
-    if kind == "torch-fsdp":
-        out = torch.zeros(n_grad // SIZE, dtype=torch.float32)
-        flat = flat[:out.numel() * SIZE]
-        sync = timed(lambda: dist.reduce_scatter_tensor(out, flat), args.repeats)
-        sync_kind = "reduce-scatter"
-    else:
-        sync = timed(lambda: dist.all_reduce(flat), args.repeats)
-        sync_kind = "allreduce"
-    return {"step_s": statistics.median(times), "sync_s": sync, "sync_kind": sync_kind,
-            "memory_bytes": mem, "losses": losses}
+    return {"step_s": statistics.median(times), "memory_bytes": mem, "losses": losses}
 
 
 # -- mpidist ------------------------------------------------------------------------------
@@ -178,20 +158,40 @@ def run_mpidist(strategy: str, args: argparse.Namespace) -> dict:
 
     times = train(step, args, trainer)
     mem = trainer.memory_report()["total"]
-    n = trainer.model.layout.full_size
-    buf = np.zeros(n, dtype=np.float32)
-    comm = trainer.comm
-    if strategy == "zero2":
-        out = np.empty(n // SIZE, dtype=np.float32)
-        sync = timed(lambda: C.reduce_scatter(buf, "sum", comm=comm, out=out), args.repeats)
-        sync_kind = "reduce-scatter"
-    else:
-        sync = timed(lambda: C.allreduce(buf, "sum", comm=comm), args.repeats)
-        sync_kind = "allreduce"
     in_step = trainer.timers["communication"] / (args.steps + 2)
     trainer.free()
-    return {"step_s": statistics.median(times), "sync_s": sync, "sync_kind": sync_kind,
-            "in_step_comm_s": in_step, "memory_bytes": int(mem), "losses": losses}
+    return {"step_s": statistics.median(times), "in_step_comm_s": in_step,
+            "memory_bytes": int(mem), "losses": losses}
+
+
+def measure_sync(n_grad: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Median seconds of the gradient-synchronising collective of ``n_grad`` float32 (the
+    model's gradient bytes, rounded up to a multiple of the ranks), gloo and MPI calls
+    alternating so that both see the same machine: ``{kind: {"torch": s, "mpidist": s}}``
+    for kind allreduce and reduce-scatter."""
+    n = -(-n_grad // SIZE) * SIZE
+    flat_t, out_t = torch.zeros(n, dtype=torch.float32), torch.zeros(n // SIZE)
+    flat_m, out_m = np.zeros(n, dtype=np.float32), np.zeros(n // SIZE, dtype=np.float32)
+    calls = {
+        "allreduce": {"torch": lambda: dist.all_reduce(flat_t),
+                      "mpidist": lambda: C.allreduce(flat_m, "sum", comm=COMM)},
+        "reduce-scatter": {"torch": lambda: dist.reduce_scatter_tensor(out_t, flat_t),
+                           "mpidist": lambda: C.reduce_scatter(flat_m, "sum", comm=COMM,
+                                                               out=out_m)},
+    }
+    result: dict[str, dict[str, float]] = {}
+    for kind, fns in calls.items():
+        times: dict[str, list[float]] = {lib: [] for lib in fns}
+        for fn in fns.values():
+            fn()  # warm-up: first-touch of the buffers, connection setup
+        for _ in range(repeats):
+            for lib, fn in fns.items():
+                COMM.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[lib].append(max_over_ranks(time.perf_counter() - t0))
+        result[kind] = {lib: statistics.median(v) for lib, v in times.items()}
+    return result
 
 
 def train(step, args: argparse.Namespace, trainer=None) -> list[float]:
@@ -253,11 +253,16 @@ def main(args: argparse.Namespace) -> int:
                     traceback.print_exc(limit=3)
                 continue
             if kind in results:
-                for key in ("step_s", "sync_s", "in_step_comm_s"):
+                for key in ("step_s", "in_step_comm_s"):
                     if key in r:
                         r[key] = min(r[key], results[kind][key])
             results[kind] = r
             COMM.Barrier()
+    syncs = measure_sync(n_params, args.repeats)
+    for k, r in results.items():
+        r["sync_kind"] = "reduce-scatter" if k in ("torch-fsdp", "mpidist-zero2") \
+            else "allreduce"
+        r["sync_s"] = syncs[r["sync_kind"]][k.split("-")[0]]
     ref = results.get("torch-ddp", {}).get("losses")
     for r in results.values():
         r["max_loss_diff"] = float(np.max(np.abs(np.subtract(r["losses"], ref)))) \
