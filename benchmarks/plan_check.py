@@ -10,12 +10,12 @@ For a small GPT (mpidist.nn, float32, Adam) and the running number of ranks:
 * memory: the planner's per-rank model-state bytes (``precision="fp32"``) against
   ``optimizer.memory_report()["total"]`` of DDP, ZeRO-1 and ZeRO-2;
 * communication: alpha and beta are calibrated here for each collective (a relative
-  least-squares fit at 8 B and at 1/2, 3/4, 3/2 and 2 times, never at, the gradient
-  size), then the planner's alpha-beta cost of each strategy's gradient synchronisation
-  (allreduce for DDP/ZeRO-1, reduce-scatter for ZeRO-2) of the model's gradient bytes is
-  compared with the measured collective on the strategy's gradient buffer. Every timed
-  collective, calibration and check alike, runs once per round, rounds repeated, and
-  keeps its best time.
+  least-squares fit at 8 B and at 1/2, 3/4, 3/2 and 2 times, never at, the gradient size;
+  ``--factors``), then the planner's alpha-beta cost of each strategy's gradient
+  synchronisation (allreduce for DDP/ZeRO-1, reduce-scatter for ZeRO-2) of the model's
+  gradient bytes is compared with the measured collective on the strategy's gradient
+  buffer. Every timed collective, calibration and check alike, runs once per round,
+  rounds repeated, and keeps its best time.
 
 Goal: predictions within 10% of the measurements. Prints a table with the ratios.
 """
@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=30, help="rounds over every collective")
+    p.add_argument("--factors", default="0.5,0.75,1.5,2",
+                   help="calibration sizes relative to the gradient size (comma-separated, "
+                        "never 1); 8 B is always added")
     return p.parse_args(argv)
 
 
@@ -55,9 +58,6 @@ from mpidist.parallel import STRATEGIES, ShardingConfiguration  # noqa: E402
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}
-
-
-FACTORS = (0.5, 0.75, 1.5, 2.0)  # calibration sizes, relative to the predicted one
 
 
 def timed_rounds(calls: dict, rounds: int) -> dict:
@@ -97,12 +97,15 @@ def fit(kind: str, times: dict[int, float]) -> tuple[float, float]:
     ``2(n-1)·alpha + 2(n-1)/n·S/beta``, reduce-scatter ``(n-1)·alpha + (n-1)/n·S/beta``),
     fitted by least squares on the relative error to the measured ``{count: seconds}``.
 
-    Each collective gets its own fit, from 8 B and from sizes at 1/2, 3/4, 3/2 and 2 times
-    the size being predicted (never at it): MPI libraries switch algorithms with the
-    message size and use different ones per collective (here Open MPI's shared-memory
-    reduce-scatter costs more than its allreduce), so one alpha-beta pair fitted on small
-    allreduces mispredicts a 13 MB reduce-scatter by 2x. The check then tests the model's
-    form near the size the planner is asked about."""
+    Each collective gets its own fit, from 8 B and from sizes around the size being
+    predicted (``--factors``, default 1/2, 3/4, 3/2 and 2 times it; never at it), as one
+    would measure a link's bandwidth at the message sizes a plan uses: MPI libraries switch
+    algorithms with the message size and use different ones per collective (here Open
+    MPI's shared-memory reduce-scatter costs more than its allreduce), and on one node the
+    effective bandwidth falls in steps as the buffers outgrow the caches (2 ranks here:
+    9 GB/s up to 10 MB, 6 GB/s at 13-20 MB, 2.3 GB/s from 40 MB), which one straight
+    alpha-beta line cannot follow across. So a pair fitted on small allreduces mispredicts
+    a 13 MB reduce-scatter by 2x, and at 2 ranks even this fit is off by up to ~15%."""
     n = SIZE
     rows, ts = [], []
     for k, t in times.items():
@@ -134,7 +137,10 @@ def main(args: argparse.Namespace) -> int:
         rows.append([name, predicted_mem, measured_mem])
     # Every collective of the check and of both calibrations, interleaved in rounds.
     k_target = max(1, n_params // SIZE) * SIZE
-    cal_counts = [SIZE] + [max(SIZE, int(k_target * f) // SIZE * SIZE) for f in FACTORS]
+    factors = [float(f) for f in args.factors.split(",")]
+    if not factors or any(f <= 0 or f == 1 for f in factors):
+        raise ValueError(f"--factors={args.factors!r}: positive numbers other than 1")
+    cal_counts = [SIZE] + [max(SIZE, int(k_target * f) // SIZE * SIZE) for f in factors]
     calls = {}
     for kind in ("allreduce", "reduce_scatter"):
         calls.update(collective_calls(kind, cal_counts))
