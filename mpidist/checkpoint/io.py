@@ -97,8 +97,8 @@ LATEST = "latest"
 #: Largest transfer per HDF5 call, in bytes: bounds temporaries and stays far below the
 #: 2 GiB MPI-IO count limit.
 MAX_TRANSFER_BYTES = 256 << 20
-#: Largest ``os.pwrite``/``os.pread`` call, in bytes (Linux moves at most ~2 GiB per call;
-#: smaller calls also bound the conversion temporaries of non-native byte orders).
+#: Largest ``os.pread`` call, in bytes (Linux moves at most ~2 GiB per call; smaller calls
+#: also bound the conversion temporaries of non-native byte orders).
 POSIX_CHUNK_BYTES = 64 << 20
 #: Chunk of a save's fused checksum-and-write pass: small enough to stay in cache between
 #: the checksum and the copy into the page cache.
@@ -444,8 +444,8 @@ def _create_layout(f: Any, names: Sequence[str], infos: Mapping[str, TensorInfo]
             types[info.dtype] = h5t.py_create(_dataset_dtype(info.dtype), logical=True)
         space = h5s.create_simple(info.shape) if info.shape else scalar
         dsid = h5d.create(f.id, name.encode("utf-8"), types[info.dtype], space, dcpl=dcpl)
-        for key, value in ((ATTR_S1, sums[t, 0]), (ATTR_S2, sums[t, 1])):
-            aid = h5a.create(dsid, key.encode("ascii"), u64, scalar)
+        for key, value in ((ATTR_S1_B, sums[t, 0]), (ATTR_S2_B, sums[t, 1])):
+            aid = h5a.create(dsid, key, u64, scalar)
             aid.write(np.array(value, dtype="<u8"))
             aid.close()
         offset = dsid.get_offset()
@@ -470,8 +470,8 @@ def _patch_sums(path: str, names: Sequence[str], sums: np.ndarray) -> None:
         for t, name in enumerate(names):
             dsid = h5d.open(f.id, name.encode("utf-8"))
             try:
-                for key, value in ((ATTR_S1, sums[t, 0]), (ATTR_S2, sums[t, 1])):
-                    aid = h5a.open(dsid, key.encode("ascii"))
+                for key, value in ((ATTR_S1_B, sums[t, 0]), (ATTR_S2_B, sums[t, 1])):
+                    aid = h5a.open(dsid, key)
                     aid.write(np.array(value, dtype="<u8"))
                     aid.close()
             finally:
@@ -541,21 +541,16 @@ class _Writeback:
         self.lo = self.hi
 
 
-def _pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype, *,
-                  writeback: _Writeback | None = None, sums: tuple[int, int] | None = None,
-                  first: int = 0) -> tuple[int, int] | None:
-    """Write ``data`` as ``stored`` (little-endian) bytes at ``offset``, in bounded calls.
-
-    With ``sums``, also adds the data's checksum (elements ``first, first+1, ...``) to it,
-    chunk by chunk while the chunk is in cache, and returns the new sums.
-    """
-    step = max(1, (POSIX_CHUNK_BYTES if sums is None else FUSED_CHUNK_BYTES)
-               // stored.itemsize)
+def _pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype,
+                  writeback: _Writeback, sums: tuple[int, int], first: int) -> tuple[int, int]:
+    """Write ``data`` as ``stored`` (little-endian) bytes at ``offset`` and return ``sums``
+    plus its checksum (elements ``first, first+1, ...``), chunk by chunk: each chunk is
+    summed while it is in cache, written, and handed to ``writeback``."""
+    step = max(1, FUSED_CHUNK_BYTES // stored.itemsize)
     for lo in range(0, data.shape[0], step):
         # No copy for native little-endian data; converts a big-endian chunk.
         chunk = np.ascontiguousarray(data[lo:lo + step], dtype=stored)
-        if sums is not None:
-            sums = checksum_update(sums, chunk, first + lo)
+        sums = checksum_update(sums, chunk, first + lo)
         view = memoryview(chunk.view(np.uint8))
         pos = start = offset + lo * stored.itemsize
         while view.nbytes:
@@ -563,8 +558,7 @@ def _pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype, *,
             if n <= 0:
                 raise OSError(f"pwrite wrote {n} bytes at offset {pos}")
             view, pos = view[n:], pos + n
-        if writeback is not None:
-            writeback.wrote(start, pos)
+        writeback.wrote(start, pos)
     return sums
 
 
@@ -785,8 +779,8 @@ def _save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
                 if b > a:
                     stored = _dataset_dtype(infos[names[t]].dtype)
                     sums[t] = _pwrite_array(fd, int(offsets[t]) + a * stored.itemsize,
-                                            pieces[k].data, stored, writeback=writeback,
-                                            sums=(int(sums[t, 0]), int(sums[t, 1])), first=a)
+                                            pieces[k].data, stored, writeback,
+                                            (int(sums[t, 0]), int(sums[t, 1])), a)
             writeback.flush()
         _agree(comm, _first(box))
         if comm is not None:
