@@ -62,14 +62,19 @@ STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}
 
 def timed_rounds(calls: dict, rounds: int) -> dict:
     """Best seconds of every call (each the max over ranks), the calls interleaved round by
-    round, so drifting load on a shared machine hits them alike; the minimum is the least
-    disturbed measurement. Each timed call directly follows an untimed one of the same
-    collective: what ran before (another size, another collective) otherwise decides how
-    much of the buffers and of MPI's shared-memory segments is still in cache, which moved
-    the same 13 MB allreduce between 1.7 and 4.5 ms here."""
+    round in a new random order, so drifting load on a shared machine hits them alike; the
+    minimum is the least disturbed measurement. Each timed call directly follows an
+    untimed one of the same collective: what ran before (another size, another collective)
+    otherwise decides how much of the buffers and of MPI's shared-memory segments is still
+    in cache, which moved the same 13 MB allreduce between 1.7 and 4.5 ms here."""
     best = {k: float("inf") for k in calls}
+    order = list(calls)
+    rng = np.random.default_rng(0)  # the same order on every rank
     for _ in range(rounds):
-        for k, fn in calls.items():
+        # A new order every round: the call before still leaves some mark on the next
+        # (after the warm call too), so no collective always follows the same one.
+        for i in rng.permutation(len(order)):
+            k, fn = order[i], calls[order[i]]
             fn()
             COMM.Barrier()
             t0 = time.perf_counter()
@@ -78,15 +83,33 @@ def timed_rounds(calls: dict, rounds: int) -> dict:
     return best
 
 
+_POOL: dict[str, np.ndarray] = {}
+
+
+def _pool(name: str, count: int) -> np.ndarray:
+    """The first ``count`` elements of one float32 buffer per ``name``, as OSU's benchmarks
+    use one buffer for every size: every measured size then sits on the same pages, so
+    differences between sizes are the collective's, not where the allocator put each array
+    (separate arrays of the same size measured 5-20% apart). Zeros, written once, so
+    in-place sums stay zero."""
+    buf = _POOL.get(name)
+    if buf is None or buf.size < count:
+        buf = np.empty(count, dtype=np.float32)
+        buf.fill(0.0)
+        _POOL[name] = buf
+    return buf[:count]
+
+
 def collective_calls(kind: str, counts: list[int]) -> dict:
-    """``{(kind, count): call}`` of ``kind`` on float32 buffers of ``count`` elements."""
+    """``{(kind, count): call}`` of ``kind`` on ``count`` float32 elements of the shared
+    buffers (:func:`_pool`; allocate the largest first)."""
     calls = {}
     for k in counts:
-        buf = np.ones(k, dtype=np.float32)
+        buf = _pool("send", k)
         if kind == "allreduce":
             calls[(kind, k)] = lambda b=buf: C.allreduce(b, "sum", comm=COMM)
         else:
-            out = np.empty(k // SIZE, dtype=np.float32)
+            out = _pool("out", k // SIZE)
             calls[(kind, k)] = lambda b=buf, o=out: C.reduce_scatter(b, "sum", comm=COMM,
                                                                       out=o)
     return calls
@@ -141,6 +164,8 @@ def main(args: argparse.Namespace) -> int:
     if not factors or any(f <= 0 or f == 1 for f in factors):
         raise ValueError(f"--factors={args.factors!r}: positive numbers other than 1")
     cal_counts = [SIZE] + [max(SIZE, int(k_target * f) // SIZE * SIZE) for f in factors]
+    _pool("send", max(cal_counts + list(targets.values())))
+    _pool("out", max(cal_counts + list(targets.values())) // SIZE)
     calls = {}
     for kind in ("allreduce", "reduce_scatter"):
         calls.update(collective_calls(kind, cal_counts))
