@@ -13,9 +13,10 @@ For a small GPT (mpidist.nn, float32, Adam) and the running number of ranks:
   least-squares fit at 8 B and at 1/2, 3/4, 3/2 and 2 times, never at, the gradient size;
   ``--factors``), then the planner's alpha-beta cost of each strategy's gradient
   synchronisation (allreduce for DDP/ZeRO-1, reduce-scatter for ZeRO-2) of the model's
-  gradient bytes is compared with the measured collective on the strategy's gradient
-  buffer. Every timed collective, calibration and check alike, runs once per round,
-  rounds repeated, and keeps its best time.
+  gradient bytes is compared with the measured collective on as many elements as the
+  strategy's gradient buffer. Every timed collective, calibration and check alike, runs
+  once per round (a new random order each round), right after an untimed call of the same
+  collective, on prefixes of one shared buffer, and keeps its best time.
 
 Goal: predictions within 10% of the measurements. Prints a table with the ratios.
 """
