@@ -1,0 +1,302 @@
+"""Checkpoints of torch models and optimizers in mpidist's HDF5 format of global tensors.
+
+The file holds, with their global (single-process) shapes:
+
+* ``params/<name>`` and ``buffers/<name>``: the module's parameters and persistent buffers,
+  named as in the unwrapped module's ``state_dict`` (without DDP's ``module.`` prefix);
+* ``optimizer/<key>/<name>``: every tensor of the optimizer's per-parameter state
+  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, the 0-d ``step``, ...);
+
+and the attributes ``step``, ``wrapper``, ``world_size`` and ``optimizer`` (the optimizer's
+class, its parameter groups' hyperparameters and parameter names, and any non-tensor
+state). Each rank writes only part of every tensor (its shard under ``fully_shard``, the
+parameters its ``ZeroRedundancyOptimizer`` partition owns, an even share of replicated
+tensors) and reads only what its own wrapper needs, so any wrapper at any world size loads a
+checkpoint of any other, or of a plain module in one process. ``mpidist inspect --verify``,
+``h5ls`` and ``mpidist export`` read these files like any other mpidist checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpidist import checkpoint as ckpt
+from mpidist.torch._common import numpy_dtype, resolve_comm
+from mpidist.torch.ddp import DistributedDataParallel
+from mpidist.torch.zero import ZeroRedundancyOptimizer
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+class _Entry:
+    """One local tensor of the checkpoint and the part of the global tensor it holds."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
+                 flat: slice | None) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.shape = shape        # global shape
+        self.flat = flat          # this rank's elements of the global tensor; None: all
+
+
+def _unwrap(module: torch.nn.Module, optimizer: Any, comm: Any) -> tuple[torch.nn.Module, Any,
+                                                                          str]:
+    """The plain module, the communicator everyone uses, and a name for the wrapper."""
+    comms = []
+    wrapper = "module"
+    if isinstance(module, DistributedDataParallel):
+        comms.append(module.comm)
+        module = module.module
+        wrapper = "DistributedDataParallel"
+    for p in module.parameters():
+        info = getattr(p, "_mpidist_shard", None)
+        if info is not None:
+            comms.append(info.comm)
+            wrapper = "fully_shard"
+            break
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        comms.append(optimizer.comm)
+        wrapper += "+ZeroRedundancyOptimizer"
+    if comm is not None:
+        comms.append(comm)
+    chosen = resolve_comm(comms[0] if comms else None)
+    from mpi4py import MPI
+
+    for c in comms[1:]:
+        if MPI.Comm.Compare(c, chosen) not in (MPI.IDENT, MPI.CONGRUENT):
+            raise ValueError("the module, the optimizer and comm= use different "
+                             "communicators; pass one group")
+    return module, chosen, wrapper
+
+
+def _model_entries(module: torch.nn.Module) -> list[_Entry]:
+    keys = set(module.state_dict().keys())
+    out = []
+    for name, p in module.named_parameters():
+        info = getattr(p, "_mpidist_shard", None)
+        shape = info.shape if info is not None else tuple(p.shape)
+        out.append(_Entry(f"params/{name}", p, shape, None if info is None else info.flat))
+    for name, b in module.named_buffers():
+        if name in keys:
+            out.append(_Entry(f"buffers/{name}", b, tuple(b.shape), None))
+    return out
+
+
+def _param_names(module: torch.nn.Module, optimizer: Any) -> dict[torch.Tensor, str]:
+    names = {p: n for n, p in module.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in names:
+                raise ValueError("the optimizer holds a parameter that is not the module's; "
+                                 "pass the module the optimizer was built for")
+    return names
+
+
+def _local_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _optimizer_entries(module: torch.nn.Module, optimizer: Any) -> tuple[list[_Entry],
+                                                                          dict[str, Any]]:
+    """State tensors as entries; hyperparameters and non-tensor state as attributes."""
+    names = _param_names(module, optimizer)
+    local = _local_optimizer(optimizer)
+    entries = []
+    scalars: dict[str, dict[str, Any]] = {}
+    for p, state in local.state.items():
+        name = names[p]
+        info = getattr(p, "_mpidist_shard", None)
+        for key, v in state.items():
+            if not torch.is_tensor(v):
+                scalars.setdefault(name, {})[key] = v
+                continue
+            if v.dim() == 0:
+                entries.append(_Entry(f"optimizer/{key}/{name}", v, (), None))
+            elif v.shape == p.shape:
+                shape = info.shape if info is not None else tuple(p.shape)
+                entries.append(_Entry(f"optimizer/{key}/{name}", v, shape,
+                                      None if info is None else info.flat))
+            else:
+                raise ValueError(f"optimizer state {key!r} of {name!r} has shape "
+                                 f"{tuple(v.shape)}, neither the parameter's nor a scalar")
+    groups = []
+    for group in optimizer.param_groups:
+        g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+             if k != "params" and _plain(v)}
+        g["params"] = [names[p] for p in group["params"]]
+        groups.append(g)
+    attrs = {"class": type(local).__name__, "param_groups": groups, "scalars": scalars}
+    return entries, attrs
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, list | tuple):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, bool | int | float | str)
+
+
+def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
+                    optimizer: Any = None, *, step: int | None = None, comm: Any = None,
+                    keep: int | None = None) -> str:
+    """Write ``module`` (and ``optimizer``'s state) to one HDF5 checkpoint at ``path``.
+
+    Collective over the wrappers' communicator (or ``comm``, default every rank): every rank
+    calls it with the same ``path``, ``step`` and ``keep``. ``module`` is a plain module, a
+    :class:`DistributedDataParallel` or a model built with ``fully_shard``; ``optimizer`` any
+    torch optimizer over its parameters or a :class:`ZeroRedundancyOptimizer`. The write is
+    atomic (a failure leaves the previous checkpoint intact) and moves the directory's
+    ``latest`` pointer; ``keep`` keeps only the newest checkpoints. Returns the path.
+    """
+    module, comm, wrapper = _unwrap(module, optimizer, comm)
+    entries = _model_entries(module)
+    attrs: dict[str, Any] = {"step": -1 if step is None else int(step), "wrapper": wrapper,
+                             "world_size": comm.Get_size(), "format_source": "mpidist.torch"}
+    if optimizer is not None:
+        extra, attrs["optimizer"] = _optimizer_entries(module, optimizer)
+        entries += extra
+    mine = {e.name: (e.shape, numpy_dtype(e.tensor.dtype).name, e.flat is not None)
+            for e in entries}
+    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    tensors: dict[str, ckpt.TensorInfo] = {}
+    holders: dict[str, list[int]] = {}
+    for r, table in enumerate(everyone):
+        for name, (shape, dtype, _) in table.items():
+            tensors.setdefault(name, ckpt.TensorInfo(shape, dtype))
+            holders.setdefault(name, []).append(r)
+    pieces = []
+    rank = comm.Get_rank()
+    for e in entries:
+        data = e.tensor.detach().reshape(-1).cpu().numpy()
+        if e.flat is not None:
+            pieces.append(ckpt.Piece(e.name, e.flat, data))
+            continue
+        who = holders[e.name]  # ranks with the whole tensor: each writes an even share
+        n, k = data.size, len(who)
+        share = -(-n // k) if n else 0
+        i = who.index(rank)
+        lo, hi = min(i * share, n), min((i + 1) * share, n)
+        if hi > lo or (n == 0 and i == 0):
+            pieces.append(ckpt.Piece(e.name, slice(lo, hi), data[lo:hi]))
+    return ckpt.save_checkpoint(path, tensors, pieces, attrs, comm=comm, keep=keep)
+
+
+def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
+                    optimizer: Any = None, *, comm: Any = None,
+                    strict: bool = True) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` into ``module`` (and
+    ``optimizer``), whatever wrapper and world size wrote it. Returns its attributes
+    (``step``, ...).
+
+    Collective over the wrappers' communicator (or ``comm``); ``path`` may be a checkpoint
+    directory (its ``latest`` checkpoint is read). Every rank reads only the parts its own
+    wrapper holds; checksums are verified. A missing tensor or a different global shape
+    raises the same ``CheckpointMismatchError`` on every rank before any data is read;
+    ``strict=False`` also accepts files with extra tensors (always accepted for optimizer
+    state when ``optimizer`` is None).
+    """
+    module, comm, _ = _unwrap(module, optimizer, comm)
+    path = os.fspath(path)
+    meta = None
+    if comm.Get_rank() == 0:
+        try:
+            target = ckpt.latest_checkpoint(path) if os.path.isdir(path) else path
+            meta = ("ok", target, *ckpt.read_metadata(target)) if target else \
+                ("error", f"no checkpoint in {path!r}")
+        except Exception as exc:  # every rank raises the same error below
+            meta = ("error", f"{type(exc).__name__}: {exc}")
+    meta = comm.bcast(meta, root=0) if comm.Get_size() > 1 else meta
+    if meta[0] == "error":
+        raise ckpt.CheckpointError(meta[1])
+    _, target, attrs, infos = meta
+    entries = _model_entries(module)
+    expected = {e.name: ckpt.TensorInfo(e.shape, numpy_dtype(e.tensor.dtype).name)
+                for e in entries}
+    loaders: list[tuple[_Entry, torch.Tensor]] = []
+    requests = []
+    for e in entries:
+        buf = torch.empty(e.tensor.numel(), dtype=e.tensor.dtype)
+        requests.append(ckpt.Piece(e.name, e.flat or slice(0, buf.numel()), buf.numpy()))
+        loaders.append((e, buf))
+    states: dict[torch.Tensor, dict[str, Any]] = {}
+    if optimizer is not None:
+        _plan_optimizer(module, optimizer, attrs, infos, requests, loaders, states)
+    extra = sorted(n for n in infos if n.startswith(("params/", "buffers/"))
+                   and n not in expected)
+    if strict and extra:
+        raise ckpt.CheckpointMismatchError(
+            f"{target!r} holds tensors the module lacks: {extra[:8]}"
+            + (f" and {len(extra) - 8} more" if len(extra) > 8 else "")
+            + "; pass strict=False to ignore them")
+    ckpt.read_pieces(target, requests, comm=comm, expected=expected, strict=False,
+                     verify=True)
+    with torch.no_grad():
+        for e, buf in loaders:
+            e.tensor.copy_(buf.view(e.tensor.shape))
+    if optimizer is not None:
+        _apply_optimizer(module, optimizer, attrs, states)
+    return dict(attrs)
+
+
+def _plan_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str, Any],
+                    infos: Mapping[str, Any], requests: list[Any],
+                    loaders: list[tuple[_Entry, torch.Tensor]],
+                    states: dict[torch.Tensor, dict[str, Any]]) -> None:
+    """Requests for the optimizer state of the parameters this rank's optimizer updates."""
+    if "optimizer" not in attrs:
+        raise ckpt.CheckpointMismatchError("the checkpoint holds no optimizer state")
+    names = _param_names(module, optimizer)
+    local = _local_optimizer(optimizer)
+    for group in local.param_groups:
+        for p in group["params"]:
+            name = names[p]
+            info = getattr(p, "_mpidist_shard", None)
+            state: dict[str, Any] = {}
+            for key_name, tinfo in infos.items():
+                if not key_name.startswith("optimizer/") or not key_name.endswith("/" + name):
+                    continue
+                key = key_name[len("optimizer/"):-len(name) - 1]
+                if "/" in key:
+                    continue
+                dtype = getattr(torch, np.dtype(tinfo.dtype).name)
+                if tuple(tinfo.shape) == ():
+                    t = torch.empty((), dtype=dtype)
+                    flat = slice(0, 1)
+                else:
+                    t = torch.empty(p.shape, dtype=dtype)
+                    flat = info.flat if info is not None else slice(0, t.numel())
+                requests.append(ckpt.Piece(key_name, flat, t.view(-1).numpy()))
+                state[key] = t
+            if state:
+                states[p] = state
+
+
+def _apply_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str, Any],
+                     states: dict[torch.Tensor, dict[str, Any]]) -> None:
+    saved = attrs["optimizer"]
+    names = _param_names(module, optimizer)
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ckpt.CheckpointMismatchError(
+            f"the checkpoint's optimizer has {len(groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}")
+    for g, (s, mine) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        if sorted(s["params"]) != sorted(names[p] for p in mine["params"]):
+            raise ckpt.CheckpointMismatchError(f"parameter group {g} holds other parameters "
+                                               "in the checkpoint")
+        for k, v in s.items():
+            if k != "params" and k in mine:
+                mine[k] = tuple(v) if isinstance(mine[k], tuple) else v
+    local = _local_optimizer(optimizer)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer._sync_groups(optimizer.param_groups, local.param_groups)
+    scalars = saved.get("scalars", {})
+    for p, state in states.items():
+        device = p.device
+        full = {k: v.to(device) for k, v in state.items()}
+        full.update(scalars.get(names[p], {}))
+        local.state[p] = full

@@ -1,0 +1,129 @@
+"""Small torch models and helpers shared by the mpidist.torch tests."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+VOCAB, BLOCK, EMBD, HEADS, LAYERS = 29, 8, 16, 2, 2
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(EMBD)
+        self.attn = torch.nn.MultiheadAttention(EMBD, HEADS, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(EMBD)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(EMBD, 3 * EMBD), torch.nn.GELU(),
+                                       torch.nn.Linear(3 * EMBD, EMBD))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(torch.nn.Module):
+    """A GPT whose output embedding is tied to the input one; forward returns (logits, loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, EMBD)
+        self.wpe = torch.nn.Embedding(BLOCK, EMBD)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = torch.nn.LayerNorm(EMBD)
+        self.head = torch.nn.Linear(EMBD, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.shape[1])
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                                   reduction="sum")
+        return logits, loss
+
+
+class BNNet(torch.nn.Module):
+    """BatchNorm buffers, an unused parameter and a dict output."""
+
+    def __init__(self, d_in: int = 6, classes: int = 5) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, 12, bias=False)  # BatchNorm cancels a bias
+        self.bn = torch.nn.BatchNorm1d(12)
+        self.fc2 = torch.nn.Linear(12, classes)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.bn(self.fc1(x)))
+        return {"logits": self.fc2(h), "hidden": h}
+
+
+def make(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = TinyGPT() if kind == "gpt" else BNNet()
+    return model.double()
+
+
+def batch(kind: str, step: int, global_batch: int):
+    """The global batch of a step (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "gpt":
+        idx = torch.randint(0, VOCAB, (global_batch, BLOCK + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+    x = torch.randn(global_batch, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (global_batch,), generator=g)
+    return x, y
+
+
+def local(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    b = t.shape[0] // size
+    return t[rank * b:(rank + 1) * b]
+
+
+def loss_of(kind: str, model: torch.nn.Module, x: torch.Tensor,
+            y: torch.Tensor) -> torch.Tensor:
+    """The mean loss over the local batch (the average over ranks is the global mean)."""
+    if kind == "gpt":
+        _, loss = model(x, y)
+        return loss / y.numel()
+    out = model(x)
+    return F.cross_entropy(out["logits"], y) + 0.0 * out["hidden"].sum()
+
+
+def params_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def assert_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 1e-10,
+                 what: str = "") -> None:
+    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
+    for k in a:
+        scale = max(1.0, float(np.abs(b[k]).max()) if b[k].size else 1.0)
+        err = float(np.abs(a[k] - b[k]).max()) if a[k].size else 0.0
+        assert err <= rtol * scale, f"{what} {k}: max error {err:.3e}"
+
+
+_GLOO: list[bool] = []
+
+
+def gloo(comm) -> None:
+    """torch.distributed on the gloo backend over the MPI ranks (once per process)."""
+    import torch.distributed as dist
+
+    if _GLOO:
+        return
+    path = tempfile.mkdtemp(prefix="mpidist-gloo-") if comm.Get_rank() == 0 else None
+    path = comm.bcast(path, root=0)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(path, 'rendezvous')}",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    _GLOO.append(True)
