@@ -113,21 +113,24 @@ class _Unit:
         self.got_grad: dict[_Param, bool] = {}
 
     # -- storage ---------------------------------------------------------------------------
+    def _count(self, nbytes: int) -> None:
+        """Account for gathered parameter bytes (full tensors and gathers in flight)."""
+        if self.ctx is not None:
+            self.ctx.alive += nbytes
+            self.ctx.peak = max(self.ctx.peak, self.ctx.alive)
+
     def _alloc(self) -> None:
         storage = self.full_flat.untyped_storage()
         nbytes = self.full_numel * self.full_flat.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
-            if self.ctx is not None:
-                self.ctx.alive += nbytes
-                self.ctx.peak = max(self.ctx.peak, self.ctx.alive)
+            self._count(nbytes)
 
     def free(self) -> None:
         """Drop the full parameters (the shards stay); not collective."""
         storage = self.full_flat.untyped_storage()
         if storage.nbytes():
-            if self.ctx is not None:
-                self.ctx.alive -= storage.nbytes()
+            self._count(-storage.nbytes())
             storage.resize_(0)
         self._swap(full=False)
 
@@ -147,6 +150,7 @@ class _Unit:
         send, out = host_view(self.segment), host_view(recv)
         req = C.iallgather(send.to_host(), comm=self.comm, out=out.to_host())
         self.gather = (req, recv, out)
+        self._count(recv.numel() * recv.element_size())
 
     def unshard(self) -> None:
         """Make the full parameters available (wait for or run the all-gather)."""
@@ -165,6 +169,7 @@ class _Unit:
             for p in self.params:
                 with torch.autograd._unsafe_preserve_version_counter(p.full):
                     _copy_chunks(table, p, p.full.view(-1), out=True)
+        self._count(-recv.numel() * recv.element_size())
         del recv
         self._swap(full=True)
 
@@ -475,9 +480,10 @@ def _finish(ctx: _Context) -> None:
 
 # -- utilities ------------------------------------------------------------------------------
 def gathered_bytes(module: torch.nn.Module) -> dict[str, int]:
-    """Bytes of full parameters allocated now and at most since the last call (``peak``),
-    and the largest unit's full bytes, for a model built with :func:`fully_shard`.
-    Resets the peak. Not collective."""
+    """Bytes of gathered parameters (full tensors and all-gathers in flight) allocated now
+    (``alive``) and at most since the last call (``peak``), with the largest unit's and the
+    root unit's full bytes, for a model built with :func:`fully_shard`. Resets the peak.
+    Not collective."""
     unit: _Unit = module._mpidist_unit  # type: ignore[assignment]
     ctx = unit.ctx
     units = ctx.order if ctx is not None else [unit]

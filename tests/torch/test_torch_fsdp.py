@@ -127,7 +127,6 @@ def test_fully_shard_memory_is_sharded(comm):
     block = model.blocks[0]._mpidist_unit.full_numel * 8
     assert stats["alive"] == 0
     assert stats["peak"] <= stats["root_unit"] + 2 * block
-    assert stats["peak"] < model._mpidist_unit.full_numel * 8 + len(model.blocks) * block
 
 
 @pytest.mark.mpi(min_size=2)
