@@ -166,10 +166,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "backward; use no_sync() for the backwards before the last"
             )
         bucket, i = self._where[p]
-        slot = bucket.slots[i]
-        if p.grad.data_ptr() != slot.data_ptr():
-            slot.copy_(p.grad)
-            p.grad = slot
+        self._into_slot(p, bucket.slots[i])
         self._ready.add(p)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -181,10 +178,22 @@ class DistributedDataParallel(torch.nn.Module):
         n = self.comm.Get_size()
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
             bucket = self._buckets[self._next]
-            if n > 1:
-                bucket.flat.div_(n)  # as torch: divide first, then sum
+            if n > 1:  # the slots hold gradient / n (as torch: divide first, then sum)
                 bucket.request = C.iallreduce(bucket.view.to_host(), "sum", comm=self.comm)
             self._next += 1
+
+    def _into_slot(self, p: torch.Tensor, slot: torch.Tensor) -> None:
+        """Put ``p.grad / world size`` into its bucket slot (one pass) and make ``p.grad``
+        a view of the slot."""
+        n = self.comm.Get_size()
+        if p.grad.data_ptr() == slot.data_ptr():  # accumulated in place since last sync
+            if n > 1:
+                slot.div_(n)
+        elif n > 1:
+            torch.div(p.grad, n, out=slot)
+        else:
+            slot.copy_(p.grad)
+        p.grad = slot
 
     def _progress(self) -> None:
         for bucket in self._buckets[:self._next]:
@@ -212,9 +221,7 @@ class DistributedDataParallel(torch.nn.Module):
                     slot.zero_()
                     unused.add(p)
                 else:  # accumulated under no_sync() but unused in this backward
-                    if p.grad.data_ptr() != slot.data_ptr():
-                        slot.copy_(p.grad)
-                    p.grad = slot
+                    self._into_slot(p, slot)
                 bucket.pending -= 1
             self._start_ready()
             flags = torch.tensor([p not in unused for p in self._where], dtype=torch.int32)

@@ -382,6 +382,8 @@ def _pre_forward(module: torch.nn.Module, args: Any) -> None:
             unit.ctx = _Context(unit)
         ctx = unit.ctx
         ctx.active = True
+        if ctx.in_backward:  # a backward that raised never reached its final callback
+            ctx.in_backward, ctx.reduced = False, []
         _CURRENT.append(ctx)
     ctx = _CURRENT[-1]
     unit.ctx = ctx
