@@ -174,11 +174,20 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self._progress()
 
-    def _start_ready(self) -> None:
+    def _start_ready(self, final: bool = False) -> None:
+        """Start the ready buckets in index order. The last bucket is only ready when
+        backward is over: it is reduced at the end (``final``) with a blocking allreduce,
+        which MPI runs faster than a nonblocking one that nothing overlaps."""
         n = self.comm.Get_size()
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
             bucket = self._buckets[self._next]
-            if n > 1:  # the slots hold gradient / n (as torch: divide first, then sum)
+            last = self._next == len(self._buckets) - 1
+            if last and not final:
+                return
+            if n > 1 and last:  # the slots hold gradient / n (as torch: divide, then sum)
+                C.allreduce(bucket.view.to_host(), "sum", comm=self.comm)
+                bucket.view.to_device()
+            elif n > 1:
                 bucket.request = C.iallreduce(bucket.view.to_host(), "sum", comm=self.comm)
             self._next += 1
 
@@ -223,7 +232,7 @@ class DistributedDataParallel(torch.nn.Module):
                 else:  # accumulated under no_sync() but unused in this backward
                     self._into_slot(p, slot)
                 bucket.pending -= 1
-            self._start_ready()
+            self._start_ready(final=True)
             flags = torch.tensor([p not in unused for p in self._where], dtype=torch.int32)
             used = None
             if self.find_unused_parameters and self.comm.Get_size() > 1:

@@ -153,15 +153,21 @@ class _Unit:
         self._count(recv.numel() * recv.element_size())
 
     def unshard(self) -> None:
-        """Make the full parameters available (wait for or run the all-gather)."""
+        """Make the full parameters available: wait for the prefetched all-gather, or run a
+        blocking one (faster in MPI than a nonblocking one that nothing overlaps)."""
         if self.full_flat.untyped_storage().nbytes() and self.gather is None:
             self._swap(full=True)
             return
-        self.start_gather()
-        assert self.gather is not None
-        req, recv, out = self.gather
-        self.gather = None
-        req.wait()
+        if self.gather is None:
+            recv = torch.empty(self.size * self.seg_numel, dtype=self.dtype,
+                               device=self.device)
+            self._count(recv.numel() * recv.element_size())
+            out = host_view(recv)
+            C.allgather(host_view(self.segment).to_host(), comm=self.comm, out=out.to_host())
+        else:
+            req, recv, out = self.gather
+            self.gather = None
+            req.wait()
         out.to_device()
         self._alloc()
         table = recv.view(self.size, self.seg_numel)
@@ -174,9 +180,10 @@ class _Unit:
         self._swap(full=True)
 
     # -- reduce-scatter --------------------------------------------------------------------
-    def start_reduce(self) -> None:
+    def start_reduce(self, blocking: bool = False) -> None:
         """Divide the full gradients by the world size and start their reduce-scatter into
-        a new segment (collective over the unit's comm); free the full gradients."""
+        a new segment (collective over the unit's comm; ``blocking``: run it now); free the
+        full gradients."""
         send = torch.zeros(self.size * self.seg_numel, dtype=self.dtype, device=self.device)
         table = send.view(self.size, self.seg_numel)
         for p in self.params:
@@ -189,6 +196,11 @@ class _Unit:
             send.div_(self.size)
         recv = torch.empty(self.seg_numel, dtype=self.dtype, device=self.device)
         send_v, recv_v = host_view(send), host_view(recv)
+        if blocking:
+            C.reduce_scatter(send_v.to_host(), "sum", comm=self.comm, out=recv_v.to_host())
+            recv_v.to_device()
+            self.reduce = (None, recv, (None, None, recv_v))
+            return
         req = C.ireduce_scatter(send_v.to_host(), "sum", comm=self.comm, out=recv_v.to_host())
         self.reduce = (req, recv, (send, send_v, recv_v))
 
@@ -441,11 +453,12 @@ def _grad_hook(unit: _Unit) -> Any:
     return hook
 
 
-def _reduce(unit: _Unit, ctx: _Context) -> None:
+def _reduce(unit: _Unit, ctx: _Context, blocking: bool = False) -> None:
     if unit.requires_gradient_sync:
         for earlier in ctx.reduced:  # one reduce-scatter in flight: bounded send buffers
             earlier.wait_reduce()
-        unit.start_reduce()
+        # The root's gradients are complete only at the end of backward: nothing to overlap.
+        unit.start_reduce(blocking=blocking or unit is ctx.root)
         ctx.reduced.append(unit)
     unit.free()
 
@@ -455,7 +468,7 @@ def _finish(ctx: _Context) -> None:
     try:
         for unit in reversed(ctx.order):
             if unit not in ctx.reduced and unit.pre_backward_done and unit.gathered:
-                _reduce(unit, ctx)
+                _reduce(unit, ctx, blocking=True)
             elif unit.gathered and unit is not ctx.root:
                 unit.free()
         if ctx.root.gathered:
