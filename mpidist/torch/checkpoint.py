@@ -155,7 +155,8 @@ def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
     module, comm, wrapper = _unwrap(module, optimizer, comm)
     entries = _model_entries(module)
     attrs: dict[str, Any] = {"step": -1 if step is None else int(step), "wrapper": wrapper,
-                             "world_size": comm.Get_size(), "format_source": "mpidist.torch"}
+                             "strategy": f"torch:{wrapper}", "world_size": comm.Get_size(),
+                             "format_source": "mpidist.torch"}
     if optimizer is not None:
         extra, attrs["optimizer"] = _optimizer_entries(module, optimizer)
         entries += extra
