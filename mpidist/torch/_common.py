@@ -23,6 +23,7 @@ from mpidist import collectives as C
 __all__ = [
     "REDUCIBLE",
     "agree",
+    "overlap",
     "host_view",
     "module_fingerprint",
     "numpy_dtype",
@@ -32,6 +33,25 @@ __all__ = [
 
 # Reductions run in MPI on these element types (mpidist.collectives' reducible types).
 REDUCIBLE = (torch.float32, torch.float64)
+
+
+def overlap() -> bool:
+    """Whether the wrappers overlap communication with computation through nonblocking MPI
+    collectives (DDP's early buckets, fully_shard's prefetched gathers and in-flight
+    reduce-scatters), from ``MPIDIST_TORCH_OVERLAP`` (default on: ``1``; ``0`` runs every
+    collective blocking where it is needed).
+
+    Open MPI advances a nonblocking collective only inside MPI calls unless it has an
+    asynchronous progress thread, and its nonblocking algorithms are slower than the blocking
+    ones: where no core is free to hide them, blocking collectives are faster.
+    Not collective; every rank must see the same value.
+    """
+    import os
+
+    value = os.environ.get("MPIDIST_TORCH_OVERLAP", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"MPIDIST_TORCH_OVERLAP={value!r} must be 0 or 1")
+    return value in ("1", "true", "yes", "on")
 
 
 def resolve_comm(comm: Any = None, process_group: Any = None) -> Any:

@@ -26,6 +26,7 @@ from mpidist.torch._common import (
     broadcast_tensors,
     host_view,
     module_fingerprint,
+    overlap,
     resolve_comm,
 )
 
@@ -124,7 +125,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._ready: set[torch.nn.Parameter] = set()
         self._next = 0  # next bucket to start (buckets start in index order everywhere)
         self._sync_backward = False
-        self._finalizing = False
+        self._overlap = overlap()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._where]
 
@@ -184,7 +185,8 @@ class DistributedDataParallel(torch.nn.Module):
             last = self._next == len(self._buckets) - 1
             if last and not final:
                 return
-            if n > 1 and last:  # the slots hold gradient / n (as torch: divide, then sum)
+            # The slots hold gradient / n (as torch: divide first, then sum).
+            if n > 1 and (last or not self._overlap):
                 C.allreduce(bucket.view.to_host(), "sum", comm=self.comm)
                 bucket.view.to_device()
             elif n > 1:

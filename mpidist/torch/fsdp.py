@@ -38,7 +38,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mpidist import collectives as C
-from mpidist.torch._common import agree, broadcast_tensors, host_view, resolve_comm
+from mpidist.torch._common import agree, broadcast_tensors, host_view, overlap, resolve_comm
 
 __all__ = ["FSDPModule", "ShardInfo", "fully_shard", "gathered_bytes"]
 
@@ -255,6 +255,7 @@ class _Context:
         self.root = root
         self.order: list[_Unit] = []
         self.recording = True
+        self.overlap = overlap()      # prefetch gathers, reduce-scatters in flight
         self.active = False           # inside the root's forward
         self.in_backward = False
         self.alive = 0                # bytes of full parameters allocated now
@@ -404,7 +405,7 @@ def _pre_forward(module: torch.nn.Module, args: Any) -> None:
     unit.unshard()
     unit.pre_backward_done = False
     pos = ctx.position(unit)
-    if not ctx.recording and 0 <= pos < len(ctx.order) - 1:
+    if ctx.overlap and not ctx.recording and 0 <= pos < len(ctx.order) - 1:
         ctx.order[pos + 1].start_gather()
 
 
@@ -439,7 +440,7 @@ def _pre_backward_hook(unit: _Unit) -> Any:
         unit.unshard()
         unit.grads_ready = 0
         pos = ctx.position(unit)
-        if pos > 1:  # the root (position 0) is never resharded after forward
+        if ctx.overlap and pos > 1:  # the root (position 0) stays gathered after forward
             ctx.order[pos - 1].start_gather()
     return hook
 
@@ -458,7 +459,7 @@ def _reduce(unit: _Unit, ctx: _Context, blocking: bool = False) -> None:
         for earlier in ctx.reduced:  # one reduce-scatter in flight: bounded send buffers
             earlier.wait_reduce()
         # The root's gradients are complete only at the end of backward: nothing to overlap.
-        unit.start_reduce(blocking=blocking or unit is ctx.root)
+        unit.start_reduce(blocking=blocking or unit is ctx.root or not ctx.overlap)
         ctx.reduced.append(unit)
     unit.free()
 
