@@ -49,8 +49,10 @@ class _null:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind,accumulate", [("gpt", 1), ("gpt", 2), ("bn", 1), ("bn", 2)])
-def test_ddp_equals_torch_ddp(comm, kind, accumulate):
+@pytest.mark.parametrize("kind,accumulate,overlap", [("gpt", 1, "1"), ("gpt", 2, "0"),
+                                                     ("bn", 1, "0"), ("bn", 2, "1")])
+def test_ddp_equals_torch_ddp(comm, monkeypatch, kind, accumulate, overlap):
+    monkeypatch.setenv("MPIDIST_TORCH_OVERLAP", overlap)  # nonblocking buckets, or blocking
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     M.gloo(comm)

@@ -96,9 +96,11 @@ def test_fully_shard_equals_torch_fully_shard(comm, reshard):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("accumulate,clip,sgd", [(1, None, False), (2, None, False),
-                                                 (1, 0.05, True)])
-def test_fully_shard_equals_single_process(comm, accumulate, clip, sgd):
+@pytest.mark.parametrize("accumulate,clip,sgd,overlap", [(1, None, False, "1"),
+                                                         (2, None, False, "0"),
+                                                         (1, 0.05, True, "1")])
+def test_fully_shard_equals_single_process(comm, monkeypatch, accumulate, clip, sgd, overlap):
+    monkeypatch.setenv("MPIDIST_TORCH_OVERLAP", overlap)  # prefetch and overlap, or blocking
     model = shard(M.make("gpt", seed=comm.Get_rank()), comm, mine=True)  # rank 0's values win
     losses = train(model, comm, accumulate, clip, sgd)
     ref_losses, ref_params = single_process(accumulate, clip, sgd)
