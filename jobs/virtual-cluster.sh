@@ -5,13 +5,16 @@
 #   jobs/virtual-cluster.sh check
 #       print "ok" when a virtual cluster can be built here, otherwise "skip: <reason>";
 #       always exits 0 (Makefiles branch on the word)
-#   jobs/virtual-cluster.sh up [--nodes N] [--ranks-per-node K] [--link-gbit G]
+#   jobs/virtual-cluster.sh up [--nodes N] [--ranks-per-node K] [--link-gbit G] [--mtu M]
 #       build N nodes (default 2) of K slots (default 2) joined by a switch; each node's
-#       link is limited to G Gbit/s each way (default 1; 0 = unlimited)
-#   jobs/virtual-cluster.sh mpirun -n R [--map-by node|slot] [MPIRUN-OPTION...] -- COMMAND...
+#       link is limited to G Gbit/s each way (default 1; 0 = unlimited); frames of M bytes
+#       (default 9000, the jumbo frames of cluster networks; 1500 is plain Ethernet)
+#   jobs/virtual-cluster.sh mpirun -n R [--map-by node|slot] [--ranks-per-node K]
+#                                  [MPIRUN-OPTION...] -- COMMAND...
 #       run an MPI job across the nodes from the current directory, with the project's
-#       environment; ranks fill node by node (slot) unless --map-by node (round-robin).
-#       The exit status is the job's.
+#       environment; ranks fill node by node (slot) unless --map-by node (round-robin);
+#       --ranks-per-node K puts K ranks on each node whatever the slots. The exit status
+#       is the job's.
 #   jobs/virtual-cluster.sh exec NODE -- COMMAND...     run COMMAND on one node
 #   jobs/virtual-cluster.sh slurm          start a Slurm with one slurmd per node
 #   jobs/virtual-cluster.sh status         what `up` made, and the node names
@@ -96,9 +99,10 @@ teardown() {
 }
 
 cmd_up() {
-    local nodes=2 rpn=2 gbit=1
+    local nodes=2 rpn=2 gbit=1 mtu=9000
     while [ $# -gt 0 ]; do
         case "$1" in
+            --mtu) mtu=${2:?--mtu needs a value}; shift 2 ;;
             --nodes) nodes=${2:?--nodes needs a value}; shift 2 ;;
             --ranks-per-node) rpn=${2:?--ranks-per-node needs a value}; shift 2 ;;
             --link-gbit) gbit=${2:?--link-gbit needs a value}; shift 2 ;;
@@ -108,6 +112,7 @@ cmd_up() {
     [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 200 ] ||
         die "--nodes=$nodes must be an integer in [1, 200]"
     [[ "$rpn" =~ ^[0-9]+$ ]] && [ "$rpn" -ge 1 ] || die "--ranks-per-node=$rpn must be an integer >= 1"
+    [[ "$mtu" =~ ^[0-9]+$ ]] && [ "$mtu" -ge 576 ] && [ "$mtu" -le 65535 ] || die "--mtu=$mtu must be an integer in [576, 65535]"
     [[ "$gbit" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--link-gbit=$gbit must be a number (0 = unlimited)"
     local reason
     reason=$(why_not)
@@ -138,6 +143,8 @@ cmd_up() {
         ip -n "$n" link set lo up
         ip link add eth1 netns "$n" type veth peer name "p$i" netns "$SWITCH"
         ip -n "$n" addr add "$SUBNET.$i/24" dev eth1
+        ip -n "$n" link set eth1 mtu "$mtu"
+        ip -n "$SWITCH" link set "p$i" mtu "$mtu"
         ip -n "$n" link set eth1 up
         ip -n "$SWITCH" link set "p$i" master br0
         ip -n "$SWITCH" link set "p$i" up
@@ -152,7 +159,7 @@ cmd_up() {
     done
     trap - ERR
     write_agent
-    printf 'nodes=%s\nranks_per_node=%s\nlink_gbit=%s\nsubnet=%s\n' "$nodes" "$rpn" "$gbit" "$SUBNET" >"$STATE/config"
+    printf 'nodes=%s\nranks_per_node=%s\nlink_gbit=%s\nmtu=%s\nsubnet=%s\n' "$nodes" "$rpn" "$gbit" "$mtu" "$SUBNET" >"$STATE/config"
     say "up: $nodes node(s) [$(paste -sd, "$STATE/nodes")] x $rpn slot(s), link ${gbit} Gbit/s (0 = unlimited), state in $STATE"
 }
 
@@ -189,18 +196,24 @@ cmd_exec() {
 
 cmd_mpirun() {
     need_up
-    local np="" map=slot extra=()
+    local np="" map=slot extra=() ppn=""
     while [ $# -gt 0 ]; do
         case "$1" in
             -n | -np) np=${2:?-n needs a value}; shift 2 ;;
+            --ranks-per-node) ppn=${2:?--ranks-per-node needs a value}; shift 2 ;;
             --map-by) map=${2:?--map-by needs a value}; shift 2 ;;
             --) shift; break ;;
             *) extra+=("$1"); shift ;;
         esac
     done
     [[ "$np" =~ ^[0-9]+$ ]] && [ "$np" -ge 1 ] || die "mpirun: -n R is required (got '${np}')"
-    [ "$map" = node ] || [ "$map" = slot ] || die "mpirun: --map-by $map is not node or slot"
+    [ "$map" = node ] || [ "$map" = slot ] || [ -n "$ppn" ] || die "mpirun: --map-by $map is not node or slot"
     [ $# -gt 0 ] || die "mpirun: no command after --"
+    if [ -n "$ppn" ]; then
+        [[ "$ppn" =~ ^[0-9]+$ ]] && [ "$ppn" -ge 1 ] || die "mpirun: --ranks-per-node $ppn is not an integer >= 1"
+        [ "$map" = slot ] || die "mpirun: --ranks-per-node fills nodes in blocks; it does not combine with --map-by $map"
+        map=ppr:$ppn:node
+    fi
     # The project's environment: its venv first on PATH when there is one, the variables a
     # run needs, and every MPIDIST_* variable.
     [ -x "$REPO/.venv/bin/python" ] && export PATH="$REPO/.venv/bin:$PATH"
@@ -217,7 +230,9 @@ cmd_mpirun() {
     first=$(head -n1 "$STATE/nodes")
     # --bind-to none: every node of this cluster shares the same cores, so binding would
     # put two nodes' rank 0 on one core.
+    # --oversubscribe: slots are a placement hint here, not cores.
     on_node "$first" mpirun --hostfile "$STATE/hostfile" -n "$np" --map-by "$map" --bind-to none \
+        --oversubscribe \
         --mca plm_rsh_agent "$STATE/netns-rsh" \
         --mca btl self,vader,tcp \
         --mca btl_tcp_if_include "$SUBNET.0/24" --mca oob_tcp_if_include "$SUBNET.0/24" \
