@@ -238,6 +238,12 @@ class ProcessMesh:
         """The layout by node, one line per node (see :func:`describe_nodes`). Not collective."""
         return describe_nodes(self.nodes, self.shape)
 
+    def node_banner(self) -> str:
+        """The layout by node as indented lines ending in a newline; "" on one node."""
+        if self.nodes.n_nodes <= 1:
+            return ""
+        return "".join(f"  {line}\n" for line in self.describe_nodes())
+
     # -- groups ---------------------------------------------------------------------
     def group(self, dims: str | Iterable[str]) -> Any:
         """The communicator of this rank's group along ``dims`` (e.g. "dp" or ("dp", "tp")).
