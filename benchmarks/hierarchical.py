@@ -50,15 +50,15 @@ def _calls(comm, op: str, count: int, han: bool) -> dict:
     shard = np.ascontiguousarray(x[: count // n])
     out_shard = np.empty(count // n, dtype=np.float32)
     full = np.empty(count, dtype=np.float32)
-    if op == "allreduce":
-        raw = (lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM))
-        ours = (lambda: C.allreduce(x, "sum", comm=comm))
-    elif op == "reduce_scatter":
-        raw = (lambda: comm.Reduce_scatter_block(x, out_shard, op=MPI.SUM))
-        ours = (lambda: C.reduce_scatter(x, "sum", comm=comm, out=out_shard))
-    else:
-        raw = (lambda: comm.Allgather(shard, full))
-        ours = (lambda: C.allgather(shard, comm=comm, out=full))
+    calls = {
+        "allreduce": (lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+                      lambda: C.allreduce(x, "sum", comm=comm)),
+        "reduce_scatter": (lambda: comm.Reduce_scatter_block(x, out_shard, op=MPI.SUM),
+                           lambda: C.reduce_scatter(x, "sum", comm=comm, out=out_shard)),
+        "allgather": (lambda: comm.Allgather(shard, full),
+                      lambda: C.allgather(shard, comm=comm, out=full)),
+    }
+    raw, ours = calls[op]
     return {"han": raw} if han else {"default": raw, "mpidist": ours}
 
 
