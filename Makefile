@@ -153,5 +153,15 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 
+# Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
+# two-level collectives against the link bound, and the planner's two network levels.
+bench-cluster: warm
+	@verdict="$$(jobs/virtual-cluster.sh check)"; [ "$$verdict" = ok ] || { echo "make bench-cluster: $$verdict"; exit 0; }; \
+	export MPIDIST_VCLUSTER_NAME=mpdbench MPIDIST_VCLUSTER_DIR="$${TMPDIR:-/tmp}/mpidist-vcluster-bench"; \
+	jobs/virtual-cluster.sh up --nodes 2 --ranks-per-node 4 --link-gbit 1; \
+	trap 'jobs/virtual-cluster.sh down' EXIT; \
+	$(BENCH_ENV) $(PY) benchmarks/hierarchical.py --layouts 2x2,2x4; \
+	$(BENCH_ENV) jobs/virtual-cluster.sh mpirun -n 4 --ranks-per-node 2 -- $(PY) benchmarks/plan_check.py
+
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

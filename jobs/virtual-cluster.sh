@@ -14,9 +14,15 @@
 #       run an MPI job across the nodes from the current directory, with the project's
 #       environment; ranks fill node by node (slot) unless --map-by node (round-robin);
 #       --ranks-per-node K puts K ranks on each node whatever the slots. The exit status
-#       is the job's.
+#       is the job's. MPIDIST_VCLUSTER_HOSTFILE replaces the cluster's hostfile (lines
+#       "NODE slots=K"), e.g. to leave out a node. The "--" may be left out, so the script
+#       can serve as a launcher that is called as `LAUNCHER -n N COMMAND...`.
+#       $MPIDIST_VCLUSTER_DIR/mpirun is the same as a launcher of its own, for tools that
+#       call `LAUNCHER -n N COMMAND...` (e.g. `mpidist run --elastic --launcher ...`).
 #   jobs/virtual-cluster.sh exec NODE -- COMMAND...     run COMMAND on one node
-#   jobs/virtual-cluster.sh slurm          start a Slurm with one slurmd per node
+#   jobs/virtual-cluster.sh slurm          start a Slurm with one slurmd per node (see
+#                                          jobs/virtual-slurm.sh); then submit with
+#       jobs/virtual-cluster.sh exec vnode1 -- sbatch -N 2 jobs/train-multi-node.sbatch
 #   jobs/virtual-cluster.sh status         what `up` made, and the node names
 #   jobs/virtual-cluster.sh down           remove everything `up` (and `slurm`) made
 #
@@ -159,6 +165,10 @@ cmd_up() {
     done
     trap - ERR
     write_agent
+    # A launcher for tools that call `LAUNCHER -n N COMMAND...` (mpidist run --launcher).
+    printf '#!/bin/sh\n# mpirun on the virtual cluster in %s\nMPIDIST_VCLUSTER_DIR=%q MPIDIST_VCLUSTER_NAME=%q MPIDIST_VCLUSTER_SUBNET=%q exec %q mpirun "$@"\n' \
+        "$STATE" "$STATE" "$NAME" "$SUBNET" "$REPO/jobs/virtual-cluster.sh" >"$STATE/mpirun"
+    chmod +x "$STATE/mpirun"
     printf 'nodes=%s\nranks_per_node=%s\nlink_gbit=%s\nmtu=%s\nsubnet=%s\n' "$nodes" "$rpn" "$gbit" "$mtu" "$SUBNET" >"$STATE/config"
     say "up: $nodes node(s) [$(paste -sd, "$STATE/nodes")] x $rpn slot(s), link ${gbit} Gbit/s (0 = unlimited), state in $STATE"
 }
@@ -191,6 +201,8 @@ cmd_exec() {
     grep -qx "$n" "$STATE/nodes" || die "exec: no node $n (nodes: $(paste -sd' ' "$STATE/nodes"))"
     [ "${1:-}" = -- ] && shift
     [ $# -gt 0 ] || die "exec: no command"
+    # The virtual Slurm's clients (sbatch, squeue, ...) find it through SLURM_CONF.
+    [ -f "$STATE/slurm/slurm.conf" ] && export SLURM_CONF="$STATE/slurm/slurm.conf"
     on_node "$n" "$@"
 }
 
@@ -202,8 +214,11 @@ cmd_mpirun() {
             -n | -np) np=${2:?-n needs a value}; shift 2 ;;
             --ranks-per-node) ppn=${2:?--ranks-per-node needs a value}; shift 2 ;;
             --map-by) map=${2:?--map-by needs a value}; shift 2 ;;
+            --mca | -mca) extra+=("$1" "${2:?$1 needs two values}" "${3:?$1 needs two values}"); shift 3 ;;
+            -x) extra+=("$1" "${2:?-x needs a value}"); shift 2 ;;
             --) shift; break ;;
-            *) extra+=("$1"); shift ;;
+            -*) extra+=("$1"); shift ;;
+            *) break ;; # the command starts (as \`mpiexec -n N COMMAND\` has it)
         esac
     done
     [[ "$np" =~ ^[0-9]+$ ]] && [ "$np" -ge 1 ] || die "mpirun: -n R is required (got '${np}')"
@@ -227,11 +242,11 @@ cmd_mpirun() {
         [ -n "${!v+x}" ] && xs+=(-x "$v")
     done
     local first
-    first=$(head -n1 "$STATE/nodes")
+    first=$(awk 'NF {print $1; exit}' "${MPIDIST_VCLUSTER_HOSTFILE:-$STATE/hostfile}")
     # --bind-to none: every node of this cluster shares the same cores, so binding would
     # put two nodes' rank 0 on one core.
     # --oversubscribe: slots are a placement hint here, not cores.
-    on_node "$first" mpirun --hostfile "$STATE/hostfile" -n "$np" --map-by "$map" --bind-to none \
+    on_node "$first" mpirun --hostfile "${MPIDIST_VCLUSTER_HOSTFILE:-$STATE/hostfile}" -n "$np" --map-by "$map" --bind-to none \
         --oversubscribe \
         --mca plm_rsh_agent "$STATE/netns-rsh" \
         --mca btl self,vader,tcp \

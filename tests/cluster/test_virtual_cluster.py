@@ -11,6 +11,8 @@ as a user would:
   reproduces single-process training in float64 (DDP and ZeRO-3 with the two-level
   collectives forced, the hybrid meshes with the automatic choice);
 * a checkpoint written across the nodes resumes at another world size on the same trajectory;
+* the elastic supervisor (``mpidist run --elastic``) loses a whole node (all its processes
+  killed) and continues on the other node with the same trajectory;
 * ``mpidist env`` reports the two nodes;
 * two-level collectives equal the flat ones, and the mesh keeps tensor-parallel groups inside
   a node when the launcher deals ranks round-robin (tests/cluster/collectives_job.py).
@@ -25,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +170,116 @@ def test_collectives_and_placement(cluster: dict, tmp_path: Path, map_by: str) -
                 "node": ["mpdtest1", "mpdtest2", "mpdtest1", "mpdtest2"]}[map_by]
     assert report["world_hosts"] == expected
     assert len(set(report["tp_hosts"])) == 1
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_elastic_supervisor_loses_a_whole_node(cluster: dict, tmp_path: Path) -> None:
+    """All processes of the second node are killed mid-run (as when a node dies); the
+    supervisor restarts the job on the first node from the last checkpoint, and the
+    losses follow single-process training."""
+    steps = 60
+    args = ["--steps", str(steps), "--checkpoint-interval", "5", "--strategy", "ddp", *TINY]
+    ref = tmp_path / "reference"
+    subprocess.run([*_mpidist(), "train", "--out", str(ref), "--checkpoint-interval", "0",
+                    "--steps", str(steps), "--strategy", "ddp", *TINY],
+                   check=True, capture_output=True, timeout=JOB_TIMEOUT)
+    state = Path(cluster["MPIDIST_VCLUSTER_DIR"])
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("mpdtest1 slots=2\nmpdtest2 slots=2\n")
+    out = tmp_path / "run"
+    env = dict(cluster, MPIDIST_VCLUSTER_HOSTFILE=str(hostfile))
+    sup = subprocess.Popen(
+        [*_mpidist(), "run", "--elastic", "--min-workers", "2", "--max-workers", "4", "-n", "4",
+         "--max-restarts", "2", "--slots-file", str(hostfile), "--launcher",
+         str(state / "mpirun"), "--", *_mpidist(), "train", "--out", str(out), "--resume",
+         *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while len(_rows(out)) < 7:  # a checkpoint at step 5 is committed
+            assert sup.poll() is None, sup.stdout.read() if sup.stdout else ""
+            assert time.monotonic() < deadline, "the run did not reach step 7"
+            time.sleep(0.05)
+        # The node is gone: the scheduler's list no longer has it, its processes die.
+        hostfile.write_text("mpdtest1 slots=2\n")
+        pids = subprocess.run(["ip", "netns", "pids", "mpdtest2"], capture_output=True,
+                              text=True, check=True).stdout.split()
+        assert pids, "no process ran on the second node"
+        for pid in pids:
+            subprocess.run(["kill", "-KILL", pid], check=False)
+        log, _ = sup.communicate(timeout=JOB_TIMEOUT)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, log[-3000:]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    sup_events = [e for e in events if e.get("source") == "supervisor"]
+    kinds = [e["event"] for e in sup_events]
+    assert "crash" in kinds and "restart" in kinds and kinds[-1] == "finished", kinds
+    restart = next(e for e in sup_events if e["event"] == "restart")
+    assert restart["world_size"] == 2, restart
+    got: dict[int, float] = {}
+    for r in _rows(out):
+        if r.get("split", "train") == "train":
+            got[r["step"]] = r["loss"]  # after the restart, the rerun steps' values
+    want = losses(ref)
+    assert sorted(got) == list(range(1, steps + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
+                               rtol=1e-10, atol=0)
+
+
+def _slurm_ready() -> str:
+    """"" when Slurm's programs are here (installing them when jobs/local-slurm.sh can),
+    else the reason."""
+    if all(shutil.which(p) for p in ("munged", "slurmctld", "slurmd", "sbatch")):
+        return ""
+    check = subprocess.run([str(REPO / "jobs" / "local-slurm.sh"), "check"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if check != "ok":
+        return check
+    res = subprocess.run([str(REPO / "jobs" / "local-slurm.sh"), "install"],
+                         capture_output=True, text=True, timeout=600)
+    return "" if res.returncode == 0 else f"Slurm could not be installed: {res.stderr[-300:]}"
+
+
+def test_multi_node_batch_script_on_a_two_node_slurm(cluster: dict, tmp_path: Path) -> None:
+    reason = _slurm_ready()
+    if reason:
+        pytest.skip(reason)
+    started = subprocess.run([str(CLUSTER), "slurm"], capture_output=True, text=True,
+                             env=cluster, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    out = tmp_path / "out"
+    env = dict(cluster, MPIDIST_HOME=str(REPO), MPIDIST_VENV=str(Path(sys.executable).parents[1]),
+               MPIDIST_OUT=str(out), MPIDIST_TRAIN_ARGS=" ".join(
+                   ["--steps", "4", "--checkpoint-interval", "2", "--global-batch", "8",
+                    "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
+                    "--eval-interval", "0"]))
+
+    def on_first(*cmd: str) -> str:
+        res = subprocess.run([str(CLUSTER), "exec", "mpdtest1", "--", *cmd], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout
+
+    job = on_first("sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2",
+                   str(REPO / "jobs" / "train-multi-node.sbatch")).strip().split(";")[0]
+    deadline = time.monotonic() + JOB_TIMEOUT
+    state = ""
+    while time.monotonic() < deadline:
+        info = on_first("scontrol", "show", "job", job)
+        state = info.split("JobState=")[1].split()[0]
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            break
+        time.sleep(1)
+    log = "".join(p.read_text() for p in tmp_path.glob(f"*-{job}.out"))
+    assert state == "COMPLETED", f"job {job}: {state}\n{log[-3000:]}"
+    assert "on 2 node(s)" in log and "mpdtest1" in log and "mpdtest2" in log, log[-2000:]
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert (out / "latest").exists()
