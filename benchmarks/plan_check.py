@@ -23,8 +23,9 @@ Goal: predictions within 10% of the measurements. Prints a table with the ratios
 Across nodes (the world spans several nodes, e.g. ``jobs/virtual-cluster.sh mpirun -n 4 --
 python benchmarks/plan_check.py``), it checks the planner's two network levels instead: the
 intra-node link is calibrated by flat allreduces inside each node (all nodes at once), the
-node's link by allreduces across the nodes run by all of a node's ranks at once (each with
-its 1/L of the data), both at sizes other than the predicted ones; then
+node's link by transfers across the nodes run by all of a node's ranks at once (each with
+its 1/L of the data, exchanging it with every other node), both at sizes other than the
+predicted ones; then
 ``plan.zero_sync_time`` with ``plan.group_time`` predicts one step's data-parallel
 communication of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (the model as one unit, one micro-batch),
 which is compared with the same collectives of mpidist measured on the whole world.
@@ -163,6 +164,19 @@ def _fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
     return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-15)
 
 
+def _exchange(cross, send: np.ndarray, recv: np.ndarray) -> None:
+    """Each rank sends ``send`` to its peer on every other node: the link's load in the
+    inter-node step of mpidist's two-level collectives."""
+    me, n = cross.Get_rank(), cross.Get_size()
+    reqs = []
+    for k in range(n):
+        if k != me:
+            reqs += [cross.Irecv(recv, source=k, tag=7), cross.Isend(send, dest=k, tag=7)]
+    # wait as mpidist's collectives do (test, then sleep), leaving the cores to the rest
+    while not MPI.Request.Testall(reqs):
+        time.sleep(0.0002)
+
+
 def two_level(args: argparse.Namespace, topo, n_params: int) -> int:
     """The planner's two network levels against mpidist's collectives across nodes."""
     node, cross = topo.subcomms()
@@ -176,19 +190,22 @@ def two_level(args: argparse.Namespace, topo, n_params: int) -> int:
     for k in cal:
         b = _pool("send", k)
         calls[("intra", k)] = lambda b=b: C.allreduce(b, comm=node, algorithm="flat")
-        part = _pool("send", k // n_local)
-        calls[("inter", k)] = lambda p=part: C.allreduce(p, comm=cross, algorithm="flat")
+        m = max(1, k // SIZE)
+        calls[("inter", k)] = lambda m=m: _exchange(cross, _pool("send", m), _pool("out", m))
     g, out = _pool("send", k_target), _pool("out", k_target // SIZE)
     calls[("allreduce", k_target)] = lambda: C.allreduce(g, comm=COMM)
     calls[("reduce_scatter", k_target)] = lambda: C.reduce_scatter(g, comm=COMM, out=out)
     calls[("allgather", k_target)] = lambda: C.allgather(out, comm=COMM, out=g)
     best = timed_rounds(calls, args.two_level_repeats)
-    steps_intra, steps_inter = 2 * (n_local - 1), 2 * (n_nodes - 1)
+    steps_intra = 2 * (n_local - 1)
     a_in, b_in = _fit_line([[steps_intra, steps_intra / n_local * k * 4] for k in cal],
                            [best[("intra", k)] for k in cal])
-    # the node sends 2(N-1)/N of the whole k through its link, whoever carries it
-    a_x, b_node = _fit_line([[steps_inter, steps_inter / n_nodes * k * 4] for k in cal],
-                            [best[("inter", k)] for k in cal])
+    # every rank of a node sends m elements to each other node at once
+    # (the link's bandwidth from the large sizes only: small TCP messages on a loaded
+    # machine wait for the scheduler, and the pipelined collectives only send large ones)
+    big = cal[1:]
+    a_x, b_node = _fit_line([[1, n_local * (n_nodes - 1) * max(1, k // SIZE) * 4]
+                             for k in big], [best[("inter", k)] for k in big])
     cluster = P.Cluster(devices=SIZE, devices_per_node=n_local, intra_bw=b_in,
                         intra_latency=a_in, inter_bw=1e15, inter_latency=a_x,
                         node_bw=b_node)

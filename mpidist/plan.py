@@ -28,8 +28,8 @@ N nodes with L of its ranks on each runs mpidist's two-level collectives
 (:mod:`mpidist.topology`): the intra-node part (a ring over L ranks) and the inter-node part
 (every node sends ``(N-1)/N·S``, twice for allreduce, through its link of ``node_bw`` bytes/s
 shared by all collectives of the same kind running on the node, and at most ``inter_bw`` per
-device) add up. Nothing is assumed overlapped (mpidist pipelines the two levels), so the
-times are upper bounds for well-overlapped implementations.
+device) run as a pipeline of pieces, so the slower of the two counts. Nothing else is
+assumed overlapped, so the times are upper bounds for well-overlapped implementations.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def group_time(kind: str, nbytes: float, n: int, stride: int, cluster: Cluster) 
                 node_bytes / per_node / cluster.inter_bw)
     inter += factor * (nodes - 1) * cluster.inter_latency
     intra = ring(nbytes, per_node, cluster.intra_latency, cluster.intra_bw)
-    return inter + intra
+    return max(inter, intra)
 
 
 def _precision(precision: str) -> tuple[int, int, int, int, int]:
