@@ -49,6 +49,7 @@ write_slurm_conf() {
         echo "SlurmdSpoolDir=$sd/spool-%n"
         echo "SlurmctldLogFile=$sd/slurmctld.log"
         echo "SlurmdLogFile=$sd/slurmd-%n.log"
+        echo "TmpFS=$sd/tmp"
         echo "SchedulerType=sched/backfill"
         echo "SelectType=select/cons_tres"
         echo "SelectTypeParameters=CR_Core"
@@ -63,6 +64,18 @@ write_slurm_conf() {
         done <"$STATE/nodes"
         echo "PartitionName=vcluster Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
     } >"$sd/slurm.conf"
+}
+
+# Start a daemon on node $1: its network and hostname, the machine's mounts (`ip netns
+# exec` would mount a /sys without the cgroup hierarchy that slurmd checks) except for the
+# node's own TmpFS, where Slurm's PMIx plugin makes per-step directories whose names would
+# clash between the nodes.
+in_node() {
+    local n=$1 sd=$STATE/slurm; shift
+    mkdir -p "$sd/tmp" "$sd/tmp-$n"
+    nsenter --net="/run/netns/$n" unshare --uts --mount /bin/sh -c \
+        'hostname "$0"; mount --bind "$1" "$2" && shift 2 && exec "$@"' \
+        "$n" "$sd/tmp-$n" "$sd/tmp" "$@"
 }
 
 cmd_slurm() {
@@ -80,11 +93,12 @@ cmd_slurm() {
         made pid "$(pid_of /run/munge/munged.pid)"
     fi
     first=$(head -n1 "$STATE/nodes")
-    ip netns exec "$first" unshare --uts /bin/sh -c "hostname $first; exec slurmctld -c -f $sd/slurm.conf"
+    in_node "$first" slurmctld -c -f "$sd/slurm.conf"
     wait_pid "$sd/slurmctld.pid" slurmctld
     made pid "$(pid_of "$sd/slurmctld.pid")"
     while read -r n; do
-        ip netns exec "$n" unshare --uts /bin/sh -c "hostname $n; exec slurmd -f $sd/slurm.conf -N $n"
+        mkdir -p "$sd/spool-$n"
+        in_node "$n" slurmd -f "$sd/slurm.conf" -N "$n"
         wait_pid "$sd/slurmd-$n.pid" "slurmd on $n"
         made pid "$(pid_of "$sd/slurmd-$n.pid")"
     done <"$STATE/nodes"
