@@ -19,6 +19,11 @@ allreduce, at the link's rate (``--link-gbit``, default the cluster's). The last
 worst default / mpidist over the layouts, operations and sizes of 16 MiB and more (goals:
 <= 1.10 and >= 1.2).
 
+The same run then trains a small GPT (float32, AdamW) on the first layout with DDP, and
+with gradient compression (PowerSGD rank 4, fp16) and Local SGD (H = 4), and prints the
+training time each needs to reach the validation loss DDP has after ``--train-steps`` steps
+(evaluated every 4 steps; the time excludes the evaluations; ``--no-train`` skips it).
+
 With ``--worker`` it is the MPI program itself (one JSON line per measurement on rank 0).
 """
 
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +105,59 @@ def worker(sizes_mb: list[float], reps: int, han: bool) -> None:
                                       "nodes": nodes.n_nodes, "ranks": n}), flush=True)
 
 
+def _strategies() -> list[tuple[str, Any]]:
+    from mpidist.parallel import DDPOptimizer, GradientCompressionOptimizer, LocalSGDOptimizer
+
+    return [
+        ("ddp", lambda b, c, l: DDPOptimizer(b, c, loss=l)),
+        ("powersgd r=4", lambda b, c, l: GradientCompressionOptimizer(b, c, method="powersgd",
+                                                                        rank=4, loss=l)),
+        ("fp16", lambda b, c, l: GradientCompressionOptimizer(b, c, method="fp16", loss=l)),
+        ("local H=4", lambda b, c, l: LocalSGDOptimizer(b, c, sync_every=4, loss=l)),
+    ]
+
+
+def train_worker(steps: int, chunk: int = 4, batch: int = 16) -> None:
+    """Time to DDP's validation loss for each strategy (rank 0 prints JSON lines)."""
+    from mpi4py import MPI
+
+    from mpidist.data import TextCorpus
+    from mpidist.mesh import ProcessMesh
+    from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
+    from mpidist.optim import AdamW
+    from mpidist.parallel import ShardingConfiguration
+
+    comm = MPI.COMM_WORLD
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=256)
+    data, val = TextCorpus(32), TextCorpus(32, split="validation")
+    target = None
+    for name, make in _strategies():
+        mesh = ProcessMesh(comm)
+        config = ShardingConfiguration(mesh=mesh, dtype="float32")
+        opt = make(AdamW(lr=1e-3, weight_decay=0.1), config, CrossEntropyLoss())
+        model = opt.wrap(GPT(cfg), seed=0)
+        opt.optimize(model, data, 1, global_batch_size=batch)  # compiles; untimed
+        seconds, done, vloss = 0.0, 0, float("nan")
+        limit = steps if target is None else 3 * steps
+        while done < limit:
+            seconds += _time(comm, lambda o=opt, m=model: o.optimize(
+                m, data, chunk, global_batch_size=batch))
+            done += chunk
+            if hasattr(opt, "average_replicas"):
+                opt.average_replicas()
+            vloss = opt.evaluate(model, val, batches=4, global_batch_size=64)
+            if target is not None and vloss <= target:
+                break
+        reached = target is None or vloss <= target
+        if target is None:
+            target = vloss
+        if comm.Get_rank() == 0:
+            print(json.dumps({"train": name, "steps": done, "seconds": seconds,
+                              "val_loss": vloss, "target": target, "reached": reached}),
+                  flush=True)
+        mesh.free()
+
+
 # -- the driver ---------------------------------------------------------------------------
 def bound_seconds(op: str, nbytes: int, n_nodes: int, gbit: float) -> float:
     """Least time the link needs: every node sends (N-1)/N of the data (twice for allreduce)."""
@@ -116,13 +175,16 @@ def _cluster_config() -> dict[str, str]:
     return dict(line.split("=", 1) for line in cfg.read_text().split())
 
 
-def run_layout(nodes: int, per_node: int, sizes: str, reps: int, han: bool) -> list[dict]:
+def run_layout(nodes: int, per_node: int, sizes: str, reps: int, han: bool,
+               train_steps: int = 0) -> list[dict]:
     cmd = [str(CLUSTER), "mpirun", "-n", str(nodes * per_node), "--ranks-per-node",
            str(per_node)]
     if han:
         cmd += ["--mca", "coll_han_priority", "100"]
     cmd += ["--", sys.executable, str(Path(__file__).resolve()), "--worker",
             "--sizes-mb", sizes, "--reps", str(reps)] + (["--han"] if han else [])
+    if train_steps:
+        cmd += ["--train-steps", str(train_steps)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         msg = (f"hierarchical.py: {' '.join(cmd)} failed ({res.returncode}):\n"
@@ -159,15 +221,23 @@ def main() -> None:
     p.add_argument("--sizes-mb", default="1,16,64")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--han-reps", type=int, default=2)
+    p.add_argument("--han-max-mb", type=float, default=16,
+                   help="largest size for HAN (one 64 MiB HAN allreduce took 26-93 s here)")
     p.add_argument("--no-han", action="store_true", help="skip Open MPI's HAN (slow here)")
     p.add_argument("--link-gbit", type=float, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--train-steps", type=int, default=40,
+                   help="DDP's steps in the time-to-loss comparison")
+    p.add_argument("--no-train", action="store_true", help="skip the time-to-loss comparison")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--han", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    sizes = [float(s) for s in a.sizes_mb.split(",")]
+    sizes = [] if a.sizes_mb == "train" else [float(s) for s in a.sizes_mb.split(",")]
     if a.worker:
-        worker(sizes, a.reps, a.han)
+        if a.sizes_mb == "train":
+            train_worker(a.train_steps)
+        else:
+            worker(sizes, a.reps, a.han)
         return
     cfg = _cluster_config()
     gbit = a.link_gbit if a.link_gbit is not None else float(cfg.get("link_gbit", "1"))
@@ -181,10 +251,24 @@ def main() -> None:
                      f"{cfg['nodes']}")
         rows += run_layout(nn, k, a.sizes_mb, a.reps, han=False)
         if not a.no_han:
-            rows += run_layout(nn, k, a.sizes_mb, a.han_reps, han=True)
+            han_sizes = ",".join(s for s in a.sizes_mb.split(",") if float(s) <= a.han_max_mb)
+            if han_sizes:
+                rows += run_layout(nn, k, han_sizes, a.han_reps, han=True)
     print(f"# {a.layouts} on the virtual cluster, link {gbit:g} Gbit/s, float32, best of "
           f"{a.reps} (HAN {a.han_reps}); times in ms")
     worst_bound, worst_speed = report(rows, gbit)
+    if not a.no_train:
+        nn, k = (int(v) for v in a.layouts.split(",")[0].lower().split("x"))
+        trained = run_layout(nn, k, "train", 1, han=False, train_steps=a.train_steps)
+        rows += trained
+        print(f"# time to DDP's validation loss after {a.train_steps} steps, {nn}x{k}, "
+              f"GPT 2x256 float32, global batch 16 x 32 tokens, AdamW")
+        print(f"{'strategy':>14} {'steps':>6} {'train s':>8} {'val loss':>9} {'vs DDP time':>12}")
+        ddp_s = trained[0]["seconds"] if trained else float("nan")
+        for r in trained:
+            ratio = f"{r['seconds'] / ddp_s:12.2f}" if r["reached"] else f"{'not reached':>12}"
+            print(f"{r['train']:>14} {r['steps']:6d} {r['seconds']:8.2f} {r['val_loss']:9.4f} "
+                  f"{ratio}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     print(f"link-bound ratio {worst_bound:.2f}, speed-up over default {worst_speed:.2f}")
