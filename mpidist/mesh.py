@@ -168,8 +168,9 @@ class ProcessMesh:
     Collective over ``comm`` (every rank must construct it with the same sizes; bad sizes
     raise the same ValueError on every rank before any communicator is created). The mesh
     never uses ``comm`` itself after construction: it creates one Cartesian communicator
-    (reorder off, so mesh ranks equal ranks in ``comm``) and the ``Cart_sub`` groups it
-    hands out, and frees exactly those in :meth:`free`.
+    (reorder off, over ``comm``'s ranks in node order, see ``placement``: with a block
+    placement mesh ranks equal ranks in ``comm``) and the ``Cart_sub`` groups it hands out,
+    and frees exactly those in :meth:`free`. The node map it learns is cached on ``comm``.
 
     Args:
         comm: the communicator to build on (an ``mpi4py.MPI.Intracomm``); None means
