@@ -115,11 +115,14 @@ cmd_up() {
             *) die "up: unknown option $1 (see the header of $0)" ;;
         esac
     done
-    [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 200 ] ||
-        die "--nodes=$nodes must be an integer in [1, 200]"
+    [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] || die "--nodes=$nodes must be an integer >= 1"
     [[ "$rpn" =~ ^[0-9]+$ ]] && [ "$rpn" -ge 1 ] || die "--ranks-per-node=$rpn must be an integer >= 1"
     [[ "$mtu" =~ ^[0-9]+$ ]] && [ "$mtu" -ge 576 ] && [ "$mtu" -le 65535 ] || die "--mtu=$mtu must be an integer in [576, 65535]"
     [[ "$gbit" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--link-gbit=$gbit must be a number (0 = unlimited)"
+    local octet='(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])'
+    [[ "$SUBNET" =~ ^$octet\.$octet\.$octet$ ]] ||
+        die "MPIDIST_VCLUSTER_SUBNET=$SUBNET must be the first three numbers of an IPv4 address (e.g. 10.77.0)"
+    [ "$nodes" -le 250 ] || die "--nodes=$nodes: at most 250 nodes fit in $SUBNET.0/24"
     local reason
     reason=$(why_not)
     [ -z "$reason" ] || cannot "$reason"
