@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,7 @@ def bound_seconds(op: str, nbytes: int, n_nodes: int, gbit: float) -> float:
 
 def _cluster_config() -> dict[str, str]:
     state = Path(os.environ.get("MPIDIST_VCLUSTER_DIR",
-                                Path(os.environ.get("TMPDIR", "/tmp")) / "mpidist-vcluster"))
+                                Path(tempfile.gettempdir()) / "mpidist-vcluster"))
     cfg = state / "config"
     if not cfg.exists():
         sys.exit(f"hierarchical.py: no virtual cluster is up ({cfg} missing); "
