@@ -290,6 +290,16 @@ def wait_all(requests: Sequence[Request]) -> list[Any]:
     return [r.wait() for r in requests]
 
 
+def _two_level(comm: Any, host: Any, nbytes: int, algorithm: str) -> _topo.Topology | None:
+    """The topology for a two-level collective on ``host``, or None for the flat one.
+
+    Two levels work on host arrays (their stages reduce with NumPy); device buffers that a
+    CUDA-aware MPI takes directly use the flat collective."""
+    if not isinstance(host, np.ndarray):
+        return None
+    return _topo.choose_algorithm(comm, nbytes, algorithm)
+
+
 # -- allreduce ----------------------------------------------------------------------------
 def iallreduce(
     buf: Any, op: str = "sum", *, comm: Any = None, algorithm: str | None = None
@@ -311,7 +321,7 @@ def iallreduce(
     if _debug:
         _maybe_check(comm, f"allreduce[{op}]", buf)
     host, back = _to_host(buf)
-    topo = _topo.choose_algorithm(comm, host.nbytes, algorithm)
+    topo = _two_level(comm, host, host.nbytes, algorithm)
 
     def finish() -> None:
         if op == "avg":
@@ -347,7 +357,7 @@ def allreduce(
     n = _size(comm)
     if n == 1:
         return buf
-    if _topo.choose_algorithm(comm, buf.nbytes, algorithm) is not None:
+    if _two_level(comm, buf, buf.nbytes, algorithm) is not None:
         return iallreduce(buf, op, comm=comm, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, f"allreduce[{op}]", buf)
@@ -421,7 +431,7 @@ def ireduce_scatter(
         if back is not None:
             back(result)
 
-    topo = _topo.choose_algorithm(comm, send.nbytes, algorithm)
+    topo = _two_level(comm, result, send.nbytes, algorithm)
     if topo is not None:
         stages = _topo.reduce_scatter_stages(send, _flat(result), "sum", topo)
         return Request([], target, finish, keep=(send, result), stages=stages)
@@ -445,7 +455,7 @@ def reduce_scatter(
         return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     s = -(-buf.size // n)
     bad_out = out is not None and (out.size != s or out.dtype != buf.dtype or not _contig(out))
-    if bad_out or _topo.choose_algorithm(comm, s * n * buf.itemsize, algorithm) is not None:
+    if bad_out or _two_level(comm, buf, s * n * buf.itemsize, algorithm) is not None:
         # (a bad ``out`` raises the ValueError there)
         return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     if _debug:
@@ -511,7 +521,7 @@ def iallgather(
             back(result)
         return trim(target)
 
-    topo = _topo.choose_algorithm(comm, result.nbytes, algorithm)
+    topo = _two_level(comm, result, result.nbytes, algorithm)
     if topo is not None:
         stages = _topo.allgather_stages(_flat(host_in), _flat(result), topo)
         return Request([], target, finish, keep=(host_in, result), stages=stages)
@@ -535,7 +545,7 @@ def allgather(
     )
     if bad_out or (numel is not None and not 0 <= numel <= total):
         return iallgather(shard, **kw).wait()  # raises ValueError
-    if _topo.choose_algorithm(comm, total * shard.itemsize, algorithm) is not None:
+    if _two_level(comm, shard, total * shard.itemsize, algorithm) is not None:
         return iallgather(shard, **kw).wait()
     if _debug:
         _maybe_check(comm, "allgather", shard)
@@ -568,7 +578,7 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
         _maybe_check(comm, "allgather_inplace", buf)
     host, back = _to_host(buf)
     finish = None if back is None else (lambda: back(host))
-    topo = _topo.choose_algorithm(comm, host.nbytes, algorithm)
+    topo = _two_level(comm, host, host.nbytes, algorithm)
     if topo is not None:
         flat, s = _flat(host), numel // n
         mine = flat[comm.Get_rank() * s:(comm.Get_rank() + 1) * s]
@@ -585,7 +595,7 @@ def allgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = Non
     if n == 1 or _is_device(buf):
         return iallgather_inplace(buf, comm=comm, algorithm=algorithm).wait()
     _check_array(buf, "allgather buffer")
-    if buf.size % n or _topo.choose_algorithm(comm, buf.nbytes, algorithm) is not None:
+    if buf.size % n or _two_level(comm, buf, buf.nbytes, algorithm) is not None:
         # (a length that does not divide raises the ValueError there)
         return iallgather_inplace(buf, comm=comm, algorithm=algorithm).wait()
     if _debug:
