@@ -48,6 +48,7 @@ help:
 	@echo "make docs   - user guide and API reference into site/ (mkdocs --strict)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
+	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
 	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
 
 setup: $(DEPS_STAMP)

@@ -14,6 +14,9 @@ as a user would:
 * the elastic supervisor (``mpidist run --elastic``) loses a whole node (all its processes
   killed) and continues on the other node with the same trajectory;
 * ``mpidist env`` reports the two nodes;
+* jobs/train-multi-node.sbatch runs with ``sbatch -N 2`` on a Slurm with one slurmd per node
+  (``jobs/virtual-cluster.sh slurm``; Slurm's packages are installed when
+  ``jobs/local-slurm.sh`` can, else that test skips);
 * two-level collectives equal the flat ones, and the mesh keeps tensor-parallel groups inside
   a node when the launcher deals ranks round-robin (tests/cluster/collectives_job.py).
 
