@@ -43,7 +43,7 @@ TORCH_STAMP := $(VENV)/.torch-ok
 SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
-.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-slurm warm bench docs clean
+.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-slurm test-cluster warm bench bench-cluster docs clean
 
 help:
 	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
@@ -51,6 +51,8 @@ help:
 	@echo "make bench  - benchmarks (ratios against the limit or a peer, same run)"
 	@echo "make docs   - user guide and API reference into site/ (mkdocs --strict)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
+	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
+	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
 	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
 
 setup: $(SETUP_STAMPS)
@@ -121,7 +123,16 @@ test-slurm: warm
 	  MPIDIST_TEST_SLURM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests/test_slurm.py; \
 	else echo "make test-slurm: $$verdict"; fi
 
-test: lint test-serial test-cudasim test-mpi test-slurm
+# Training and collectives across two nodes of a virtual cluster (network namespaces joined
+# by a 1 Gbit/s link; the tests build and remove their own); skipped, with the reason,
+# where namespaces cannot be made (not root, no iproute2).
+test-cluster: warm
+	@verdict="$$(jobs/virtual-cluster.sh check)"; \
+	if [ "$$verdict" = ok ]; then \
+	  MPIDIST_TEST_CLUSTER=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests/cluster; \
+	else echo "make test-cluster: $$verdict"; fi
+
+test: lint test-serial test-cudasim test-mpi test-slurm test-cluster
 	@echo "make test: all passed"
 
 DOCS_STAMP := $(VENV)/.docs-ok
@@ -148,6 +159,16 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/compression.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
+
+# Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
+# two-level collectives against the link bound, and the planner's two network levels.
+bench-cluster: warm
+	@verdict="$$(jobs/virtual-cluster.sh check)"; [ "$$verdict" = ok ] || { echo "make bench-cluster: $$verdict"; exit 0; }; \
+	export MPIDIST_VCLUSTER_NAME=mpdbench MPIDIST_VCLUSTER_DIR="$${TMPDIR:-/tmp}/mpidist-vcluster-bench"; \
+	jobs/virtual-cluster.sh up --nodes 2 --ranks-per-node 4 --link-gbit 1; \
+	trap 'jobs/virtual-cluster.sh down' EXIT; \
+	$(BENCH_ENV) $(PY) benchmarks/hierarchical.py --layouts 2x2,2x4; \
+	$(BENCH_ENV) jobs/virtual-cluster.sh mpirun -n 4 --ranks-per-node 2 -- $(PY) benchmarks/plan_check.py
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

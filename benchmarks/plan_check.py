@@ -19,6 +19,17 @@ For a small GPT (mpidist.nn, float32, Adam) and the running number of ranks:
   collective, on prefixes of one shared buffer, and keeps its best time.
 
 Goal: predictions within 10% of the measurements. Prints a table with the ratios.
+
+Across nodes (the world spans several nodes, e.g. ``jobs/virtual-cluster.sh mpirun -n 4 --
+python benchmarks/plan_check.py``), it checks the planner's two network levels instead: the
+intra-node link is calibrated by flat allreduces inside each node (all nodes at once), the
+node's link by transfers across the nodes run by all of a node's ranks at once (each with
+its 1/L of the data, exchanging it with every other node), both at sizes other than the
+predicted ones; then
+``plan.zero_sync_time`` with ``plan.group_time`` predicts one step's data-parallel
+communication of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (the model as one unit, one micro-batch),
+which is compared with the same collectives of mpidist measured on the whole world.
+Goal there: within 15%.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=30, help="rounds over every collective")
+    p.add_argument("--two-level-repeats", type=int, default=5,
+                   help="rounds across nodes (each collective takes ~0.1 s at 1 Gbit/s)")
     p.add_argument("--factors", default="0.5,0.75,1.5,2",
                    help="calibration sizes relative to the gradient size (comma-separated, "
                         "never 1); 8 B is always added")
@@ -142,9 +155,95 @@ def fit(kind: str, times: dict[int, float]) -> tuple[float, float]:
     return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-15)
 
 
+def _fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
+    """(alpha, beta) of ``t = alpha * steps + bytes / beta`` from rows [steps, bytes], fitted
+    on the relative error."""
+    w = 1.0 / np.array(ts)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(xs) * w[:, None], np.ones(len(ts)),
+                                            rcond=None)
+    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-15)
+
+
+def _exchange(cross, send: np.ndarray, recv: np.ndarray) -> None:
+    """Each rank sends ``send`` to its peer on every other node: the link's load in the
+    inter-node step of mpidist's two-level collectives."""
+    me, n = cross.Get_rank(), cross.Get_size()
+    reqs = []
+    for k in range(n):
+        if k != me:
+            reqs += [cross.Irecv(recv, source=k, tag=7), cross.Isend(send, dest=k, tag=7)]
+    # wait as mpidist's collectives do (test, then sleep), leaving the cores to the rest
+    while not MPI.Request.Testall(reqs):
+        time.sleep(0.0002)
+
+
+def two_level(args: argparse.Namespace, topo, n_params: int) -> int:
+    """The planner's two network levels against mpidist's collectives across nodes."""
+    node, cross = topo.subcomms()
+    n_local, n_nodes = node.Get_size(), cross.Get_size()
+    k_target = -(-n_params // SIZE) * SIZE
+    factors = [float(f) for f in args.factors.split(",")]
+    cal = [SIZE * 2] + [max(SIZE, int(k_target * f) // SIZE * SIZE) for f in factors]
+    _pool("send", 2 * k_target + max(cal))
+    _pool("out", max(cal + [k_target]))
+    calls = {}
+    for k in cal:
+        b = _pool("send", k)
+        calls[("intra", k)] = lambda b=b: C.allreduce(b, comm=node, algorithm="flat")
+        m = max(1, k // SIZE)
+        calls[("inter", k)] = lambda m=m: _exchange(cross, _pool("send", m), _pool("out", m))
+    g, out = _pool("send", k_target), _pool("out", k_target // SIZE)
+    calls[("allreduce", k_target)] = lambda: C.allreduce(g, comm=COMM)
+    calls[("reduce_scatter", k_target)] = lambda: C.reduce_scatter(g, comm=COMM, out=out)
+    calls[("allgather", k_target)] = lambda: C.allgather(out, comm=COMM, out=g)
+    best = timed_rounds(calls, args.two_level_repeats)
+    steps_intra = 2 * (n_local - 1)
+    a_in, b_in = _fit_line([[steps_intra, steps_intra / n_local * k * 4] for k in cal],
+                           [best[("intra", k)] for k in cal])
+    # every rank of a node sends m elements to each other node at once
+    # (the link's bandwidth from the large sizes only: small TCP messages on a loaded
+    # machine wait for the scheduler, and the pipelined collectives only send large ones)
+    big = cal[1:]
+    a_x, b_node = _fit_line([[1, n_local * (n_nodes - 1) * max(1, k // SIZE) * 4]
+                             for k in big], [best[("inter", k)] for k in big])
+    cluster = P.Cluster(devices=SIZE, devices_per_node=n_local, intra_bw=b_in,
+                        intra_latency=a_in, inter_bw=1e15, inter_latency=a_x,
+                        node_bw=b_node)
+    nbytes = k_target * 4
+
+    def predicted(kind: str, size: float) -> float:
+        return P.group_time(kind, size, SIZE, 1, cluster)
+
+    def measured(kind: str, size: float) -> float:
+        return best[(kind, k_target)]
+
+    if RANK == 0:
+        print(f"plan_check: {SIZE} ranks on {n_nodes} nodes x {n_local}, GPT "
+              f"({n_params / 1e6:.2f} M params, float32 gradients and parameters)")
+        print(f"  calibrated intra-node: alpha = {a_in * 1e6:.1f} us, "
+              f"beta = {b_in / 1e9:.2f} GB/s; node link: alpha = {a_x * 1e6:.1f} us, "
+              f"beta = {b_node / 1e6:.1f} MB/s")
+        print(f"{'strategy':<8} {'sync pred ms':>13} {'sync meas ms':>13} {'ratio':>6}  "
+              f"within 15%")
+        for name, z in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)):
+            pt = P.zero_sync_time(z, nbytes, nbytes, 1, predicted)
+            mt = P.zero_sync_time(z, nbytes, nbytes, 1, measured)
+            ok = abs(pt / mt - 1) <= 0.15
+            print(f"{name:<8} {pt * 1e3:13.1f} {mt * 1e3:13.1f} {pt / mt:6.3f}  "
+                  f"{'yes' if ok else 'NO'}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     if SIZE < 2:
         raise ValueError("run under mpiexec -n 2 (or more): communication needs 2 ranks")
+    from mpidist.topology import topology
+
+    topo = topology(COMM)
+    if topo.map.two_level:
+        cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
+                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        return two_level(args, topo, GPT(cfg).num_parameters())
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     n_params = GPT(cfg).num_parameters()

@@ -21,6 +21,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from mpidist.launch import detect_environment, launcher_from_env_summary
+    from mpidist.launch.env import layout_by_node
 
     comm = MPI.COMM_WORLD
     info = detect_environment(comm).as_dict()
@@ -43,6 +44,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     print(f"{'rank':>4} {'local':>5} {'host':<24}")
     for row in rows:
         print(f"{row['rank']:>4} {row['local_rank']:>5}/{row['local_size']:<3} {row['host']:<24}")
+    print("ranks by node   : " + "; ".join(layout_by_node(rows)))
     return 0
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from mpidist import topology as _topo
+
 __all__ = [
     "CollectiveMismatchError",
     "Request",
@@ -192,7 +194,9 @@ class Request:
     """A pending nonblocking operation. ``wait()`` completes it and returns its result.
 
     Finishing work (averaging, unpadding, copying a staged result back to the device)
-    happens in ``wait()``/a successful ``test()``, exactly once.
+    happens in ``wait()``/a successful ``test()``, exactly once. A two-level collective is
+    a sequence of stages (``stages``: a generator yielding lists of MPI requests); the next
+    stage starts when the previous one has completed, in ``wait()`` or ``test()``.
     """
 
     def __init__(
@@ -201,7 +205,11 @@ class Request:
         result: Any,
         finish: Callable[[], Any] | None = None,
         keep: tuple = (),
+        stages: _topo.Stages | None = None,
     ) -> None:
+        self._stages = stages
+        if stages is not None:
+            reqs = next(stages)
         self._reqs = list(reqs)
         self._result = result
         self._finish = finish
@@ -223,18 +231,39 @@ class Request:
                     self._result = out
         return self._result
 
+    def _advance(self) -> bool:
+        """Start the next stage; False when there is none."""
+        if self._stages is None:
+            return False
+        try:
+            self._reqs = next(self._stages)
+        except StopIteration:
+            self._stages = None
+            return False
+        return True
+
     def wait(self) -> Any:
         """Block until done; return the result (the output array)."""
-        if not self._done and self._reqs:
-            _mpi().Request.Waitall(self._reqs)
+        if not self._done:
+            while True:
+                if self._reqs:
+                    if self._stages is not None and _POLL_SLEEP > 0:
+                        _poll(self._reqs)
+                    else:
+                        _mpi().Request.Waitall(self._reqs)
+                if not self._advance():
+                    break
         return self._complete()
 
     def test(self) -> bool:
         """True (and the result is ready) when done; drives MPI progress otherwise."""
         if self._done:
             return True
-        if self._reqs and not _mpi().Request.Testall(self._reqs):
-            return False
+        while True:
+            if self._reqs and not _mpi().Request.Testall(self._reqs):
+                return False
+            if not self._advance():
+                break
         self._complete()
         return True
 
@@ -243,27 +272,56 @@ class Request:
         return self._done
 
 
+_POLL_SLEEP = float(os.environ.get("MPIDIST_POLL_SLEEP", "0.0002"))
+
+
+def _poll(reqs: list[Any]) -> None:
+    # Sleep between tests rather than spin in Waitall: ranks waiting on the inter-node link
+    # then leave the cores to the node's ranks doing shared-memory stages.
+    import time
+
+    test = _mpi().Request.Testall
+    while not test(reqs):
+        time.sleep(_POLL_SLEEP)
+
+
 def wait_all(requests: Sequence[Request]) -> list[Any]:
     """Wait for every request; returns their results in order."""
     return [r.wait() for r in requests]
 
 
+def _two_level(comm: Any, host: Any, nbytes: int, algorithm: str) -> _topo.Topology | None:
+    """The topology for a two-level collective on ``host``, or None for the flat one.
+
+    Two levels work on host arrays (their stages reduce with NumPy); device buffers that a
+    CUDA-aware MPI takes directly use the flat collective."""
+    if not isinstance(host, np.ndarray):
+        return None
+    return _topo.choose_algorithm(comm, nbytes, algorithm)
+
+
 # -- allreduce ----------------------------------------------------------------------------
-def iallreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Request:
+def iallreduce(
+    buf: Any, op: str = "sum", *, comm: Any = None, algorithm: str | None = None
+) -> Request:
     """Start an in-place allreduce of ``buf`` over ``comm``; ``wait()`` returns ``buf``.
 
     Collective over ``comm``: every rank must call it, in the same order as its other
-    collectives, with the same op, shape and dtype. ``op`` is sum, avg, max or min.
+    collectives, with the same op, shape, dtype and ``algorithm``. ``op`` is sum, avg, max
+    or min. ``algorithm``: "flat" (one MPI call), "hierarchical" (two levels when the group
+    spans nodes, see :mod:`mpidist.topology`) or "auto" (two levels from
+    ``MPIDIST_HIERARCHICAL_MIN_BYTES`` up); None reads ``MPIDIST_COLLECTIVES`` (default auto).
     """
     _check_op(op)
     _check_array(buf, "allreduce buffer", reduce=True)
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1:
         return Request([], buf)
     if _debug:
         _maybe_check(comm, f"allreduce[{op}]", buf)
     host, back = _to_host(buf)
-    req = comm.Iallreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
+    topo = _two_level(comm, host, host.nbytes, algorithm)
 
     def finish() -> None:
         if op == "avg":
@@ -271,6 +329,10 @@ def iallreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Request:
         if back is not None:
             back(host)
 
+    if topo is not None:
+        stages = _topo.allreduce_stages(_flat(host), "sum" if op == "avg" else op, topo)
+        return Request([], buf, finish, stages=stages)
+    req = comm.Iallreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
     return Request([req], buf, finish)
 
 
@@ -281,16 +343,22 @@ def _scale(a: np.ndarray, n: int) -> None:
         a //= n
 
 
-def allreduce(buf: Any, op: str = "sum", *, comm: Any = None) -> Any:
+def allreduce(
+    buf: Any, op: str = "sum", *, comm: Any = None, algorithm: str | None = None
+) -> Any:
     """Allreduce ``buf`` in place over ``comm`` and return it. Collective over ``comm``.
 
-    ``op``: sum, avg (sum then one scaling pass by 1/size), max or min.
+    ``op``: sum, avg (sum then one scaling pass by 1/size), max or min. ``algorithm`` as in
+    :func:`iallreduce`.
     """
     _check_op(op)
     _check_array(buf, "allreduce buffer", reduce=True)
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1:
         return buf
+    if _two_level(comm, buf, buf.nbytes, algorithm) is not None:
+        return iallreduce(buf, op, comm=comm, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, f"allreduce[{op}]", buf)
     host, back = _to_host(buf)
@@ -314,17 +382,19 @@ def _padded_input(buf: np.ndarray, n: int) -> np.ndarray:
 
 
 def ireduce_scatter(
-    buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None
+    buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None,
+    algorithm: str | None = None,
 ) -> Request:
     """Start a reduce-scatter of ``buf``; ``wait()`` returns this rank's reduced shard.
 
     Collective over ``comm``. ``buf`` is padded with zeros to a multiple of the group size
     ``n`` when needed; rank r receives elements ``[r*s, (r+1)*s)`` of the reduced buffer,
     ``s = ceil(len(buf)/n)``. ``out`` (length ``s``) receives the shard if given.
-    ``op`` is sum or avg.
+    ``op`` is sum or avg; ``algorithm`` as in :func:`iallreduce`.
     """
     _check_op(op, ("sum", "avg"))
     _check_array(buf, "reduce_scatter buffer", reduce=True)
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     numel = buf.size
     s = -(-numel // n)
@@ -354,7 +424,6 @@ def ireduce_scatter(
     else:
         result, back = _to_host(out)
         target = out
-    req = comm.Ireduce_scatter_block(send, _flat(result), op=_mpi_op(op))
 
     def finish() -> None:
         if op == "avg":
@@ -362,22 +431,33 @@ def ireduce_scatter(
         if back is not None:
             back(result)
 
+    topo = _two_level(comm, result, send.nbytes, algorithm)
+    if topo is not None:
+        stages = _topo.reduce_scatter_stages(send, _flat(result), "sum", topo)
+        return Request([], target, finish, keep=(send, result), stages=stages)
+    req = comm.Ireduce_scatter_block(send, _flat(result), op=_mpi_op(op))
     return Request([req], target, finish, keep=(send, result))
 
 
-def reduce_scatter(buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None) -> Any:
+def reduce_scatter(
+    buf: Any, op: str = "sum", *, comm: Any = None, out: Any = None,
+    algorithm: str | None = None,
+) -> Any:
     """Reduce ``buf`` over ``comm`` and return this rank's shard (see :func:`ireduce_scatter`).
 
     Collective over ``comm``.
     """
     _check_op(op, ("sum", "avg"))
     _check_array(buf, "reduce_scatter buffer", reduce=True)
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1 or _is_device(buf) or (out is not None and _is_device(out)):
-        return ireduce_scatter(buf, op, comm=comm, out=out).wait()
+        return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     s = -(-buf.size // n)
-    if out is not None and (out.size != s or out.dtype != buf.dtype or not _contig(out)):
-        return ireduce_scatter(buf, op, comm=comm, out=out).wait()  # raises the ValueError
+    bad_out = out is not None and (out.size != s or out.dtype != buf.dtype or not _contig(out))
+    if bad_out or _two_level(comm, buf, s * n * buf.itemsize, algorithm) is not None:
+        # (a bad ``out`` raises the ValueError there)
+        return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, f"reduce_scatter[{op}]", buf)
     send = _padded_input(buf, n)
@@ -390,15 +470,18 @@ def reduce_scatter(buf: Any, op: str = "sum", *, comm: Any = None, out: Any = No
 
 # -- allgather ----------------------------------------------------------------------------
 def iallgather(
-    shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None
+    shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None,
+    algorithm: str | None = None,
 ) -> Request:
     """Start an allgather of equal-length shards; ``wait()`` returns the concatenation.
 
     Collective over ``comm``. The result has ``size * len(shard)`` elements, or the first
     ``numel`` of them when ``numel`` is given (dropping the padding added by
     :func:`reduce_scatter`). ``out``, if given, must hold ``size * len(shard)`` elements.
+    ``algorithm`` as in :func:`iallreduce`.
     """
     _check_array(shard, "allgather shard")
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     s = shard.size
     total = n * s
@@ -432,27 +515,38 @@ def iallgather(
     else:
         result, back = _to_host(out)
         target = out
-    req = comm.Iallgather(_flat(host_in), _flat(result))
 
     def finish() -> Any:
         if back is not None:
             back(result)
         return trim(target)
 
+    topo = _two_level(comm, result, result.nbytes, algorithm)
+    if topo is not None:
+        stages = _topo.allgather_stages(_flat(host_in), _flat(result), topo)
+        return Request([], target, finish, keep=(host_in, result), stages=stages)
+    req = comm.Iallgather(_flat(host_in), _flat(result))
     return Request([req], target, finish, keep=(host_in, result))
 
 
-def allgather(shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None) -> Any:
+def allgather(
+    shard: Any, *, comm: Any = None, numel: int | None = None, out: Any = None,
+    algorithm: str | None = None,
+) -> Any:
     """Gather equal-length shards from every rank (see :func:`iallgather`). Collective."""
+    algorithm = _topo.check_algorithm(algorithm)
+    kw = {"comm": comm, "numel": numel, "out": out, "algorithm": algorithm}
     if _size(comm) == 1 or _is_device(shard) or (out is not None and _is_device(out)):
-        return iallgather(shard, comm=comm, numel=numel, out=out).wait()
+        return iallgather(shard, **kw).wait()
     _check_array(shard, "allgather shard")
     total = comm.Get_size() * shard.size
     bad_out = out is not None and (
         out.size != total or out.dtype != shard.dtype or not _contig(out)
     )
     if bad_out or (numel is not None and not 0 <= numel <= total):
-        return iallgather(shard, comm=comm, numel=numel, out=out).wait()  # raises ValueError
+        return iallgather(shard, **kw).wait()  # raises ValueError
+    if _two_level(comm, shard, total * shard.itemsize, algorithm) is not None:
+        return iallgather(shard, **kw).wait()
     if _debug:
         _maybe_check(comm, "allgather", shard)
     result = np.empty(total, dtype=shard.dtype) if out is None else out
@@ -462,13 +556,15 @@ def allgather(shard: Any, *, comm: Any = None, numel: int | None = None, out: An
     return _flat(result)[:numel]
 
 
-def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
+def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = None) -> Request:
     """Start an in-place allgather: rank r's segment ``[r*s, (r+1)*s)`` of ``buf`` is its input.
 
     Collective over ``comm``. ``len(buf)`` must be a multiple of the group size (flat
     buffers are built padded). ``wait()`` returns ``buf`` with every segment filled.
+    ``algorithm`` as in :func:`iallreduce`.
     """
     _check_array(buf, "allgather buffer")
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     numel = buf.size
     if numel % n:
@@ -481,18 +577,27 @@ def iallgather_inplace(buf: Any, *, comm: Any = None) -> Request:
     if _debug:
         _maybe_check(comm, "allgather_inplace", buf)
     host, back = _to_host(buf)
+    finish = None if back is None else (lambda: back(host))
+    topo = _two_level(comm, host, host.nbytes, algorithm)
+    if topo is not None:
+        flat, s = _flat(host), numel // n
+        mine = flat[comm.Get_rank() * s:(comm.Get_rank() + 1) * s]
+        stages = _topo.allgather_stages(mine, flat, topo)
+        return Request([], buf, finish, keep=(host,), stages=stages)
     req = comm.Iallgather(_mpi().IN_PLACE, _flat(host))
-    return Request([req], buf, None if back is None else (lambda: back(host)))
+    return Request([req], buf, finish)
 
 
-def allgather_inplace(buf: Any, *, comm: Any = None) -> Any:
+def allgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = None) -> Any:
     """In-place allgather (see :func:`iallgather_inplace`); returns ``buf``. Collective."""
+    algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1 or _is_device(buf):
-        return iallgather_inplace(buf, comm=comm).wait()
+        return iallgather_inplace(buf, comm=comm, algorithm=algorithm).wait()
     _check_array(buf, "allgather buffer")
-    if buf.size % n:
-        return iallgather_inplace(buf, comm=comm).wait()  # raises the ValueError
+    if buf.size % n or _two_level(comm, buf, buf.nbytes, algorithm) is not None:
+        # (a length that does not divide raises the ValueError there)
+        return iallgather_inplace(buf, comm=comm, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, "allgather_inplace", buf)
     comm.Allgather(_mpi().IN_PLACE, _flat(buf))

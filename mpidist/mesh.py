@@ -1,20 +1,37 @@
 """ProcessMesh: one MPI Cartesian communicator with named dims (pp, dp, tp).
 
 Dims are ordered (pp, dp, tp) in row-major order, so tp varies fastest: ranks of one
-tensor-parallel group are consecutive and, with the usual block placement of ranks on
-nodes, sit on one node. The rank → coordinates map is also a pure function, `layout`,
-which tests check without MPI.
+tensor-parallel group are consecutive mesh ranks. The rank → coordinates map is also a pure
+function, `layout`, which tests check without MPI.
+
+Placement: the mesh learns each rank's node (shared-memory domains, see
+:mod:`mpidist.topology`) and numbers its ranks node by node (`node_order`), so tensor-parallel
+groups lie inside one node and data-parallel peers come next, whatever order the launcher
+gave the ranks (``mpirun --map-by node`` deals them round-robin). When the launcher already
+placed ranks in blocks, mesh ranks equal the ranks of the given communicator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DIMS", "MeshShape", "ProcessMesh", "layout", "resolve_shape"]
+from mpidist.topology import NodeMap, node_ids, topology
+
+__all__ = [
+    "DIMS",
+    "MeshShape",
+    "ProcessMesh",
+    "describe_nodes",
+    "layout",
+    "node_order",
+    "resolve_shape",
+    "split_tp_groups",
+]
 
 DIMS: tuple[str, str, str] = ("pp", "dp", "tp")
 
@@ -90,6 +107,48 @@ def layout(world_size: int, pp: int = 1, tp: int = 1, dp: int = -1) -> list[dict
     return out
 
 
+def node_order(nodes: Sequence[Any]) -> list[int]:
+    """Ranks node by node: ``node_order(nodes)[mesh_rank] == rank``. Pure.
+
+    ``nodes[r]`` is any key of rank r's node (an index, a host name). Nodes come in the order
+    of their lowest rank, ranks ascending inside a node, so a block placement maps to itself
+    and a round-robin one is regrouped: ``node_order([0, 1, 0, 1]) == [0, 2, 1, 3]``.
+    """
+    ids = node_ids(list(nodes))
+    return sorted(range(len(ids)), key=lambda r: (ids[r], r))
+
+
+def split_tp_groups(nodes: Sequence[Any], tp: int, order: Sequence[int] | None = None) -> list[int]:
+    """Indices of the tensor-parallel groups that span more than one node. Pure.
+
+    Group g holds mesh ranks ``[g*tp, (g+1)*tp)``; ``order[mesh_rank]`` is the rank whose
+    node ``nodes`` gives (default: :func:`node_order`).
+    """
+    order = node_order(nodes) if order is None else list(order)
+    ids = node_ids(list(nodes))
+    return [g for g in range(len(order) // tp)
+            if len({ids[order[m]] for m in range(g * tp, (g + 1) * tp)}) > 1]
+
+
+def describe_nodes(nodes: NodeMap, shape: MeshShape, width: int = 8) -> list[str]:
+    """One line per node: its host and the mesh ranks on it with their coordinates. Pure.
+
+    ``nodes.nodes[mesh_rank]`` is the node of each mesh rank.
+    """
+    coords = layout(shape.size, shape.pp, shape.tp, shape.dp)
+    lines = []
+    for k in range(nodes.n_nodes):
+        ranks = nodes.ranks_on(k)
+        items = [f"{m}(pp{coords[m]['pp']},dp{coords[m]['dp']},tp{coords[m]['tp']})"
+                 for m in ranks[:width]]
+        more = f" ... {len(ranks) - width} more" if len(ranks) > width else ""
+        lines.append(f"{nodes.host(k)}: {len(ranks)} rank(s) {' '.join(items)}{more}")
+    return lines
+
+
+_TP_WARNED = False
+
+
 def _dims_key(dims: str | Iterable[str]) -> tuple[str, ...]:
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     if not names:
@@ -109,26 +168,52 @@ class ProcessMesh:
     Collective over ``comm`` (every rank must construct it with the same sizes; bad sizes
     raise the same ValueError on every rank before any communicator is created). The mesh
     never uses ``comm`` itself after construction: it creates one Cartesian communicator
-    (reorder off, so mesh ranks equal ranks in ``comm``) and the ``Cart_sub`` groups it
-    hands out, and frees exactly those in :meth:`free`.
+    (reorder off, over ``comm``'s ranks in node order, see ``placement``: with a block
+    placement mesh ranks equal ranks in ``comm``) and the ``Cart_sub`` groups it hands out,
+    and frees exactly those in :meth:`free`. The node map it learns is cached on ``comm``.
 
     Args:
         comm: the communicator to build on (an ``mpi4py.MPI.Intracomm``); None means
             ``MPI.COMM_WORLD``. Entry points pass it; library code below never reads it.
         pp, tp: pipeline and tensor parallel sizes.
         dp: data parallel size; -1 infers it from the world size.
+        placement: "node" (default) numbers mesh ranks node by node (:func:`node_order`);
+            "launcher" keeps the ranks of ``comm``.
+        nodes: the node of each rank of ``comm`` (any keys), instead of detecting it.
+
+    With node placement, mesh rank r is rank ``order[r]`` of ``comm`` (``mesh.order``); when
+    a tensor-parallel group cannot fit in one node, mesh rank 0 warns once per process.
     """
 
-    def __init__(self, comm: Any = None, *, pp: int = 1, tp: int = 1, dp: int = -1) -> None:
+    def __init__(
+        self, comm: Any = None, *, pp: int = 1, tp: int = 1, dp: int = -1,
+        placement: str = "node", nodes: Sequence[Any] | None = None,
+    ) -> None:
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
         self.shape = resolve_shape(comm.Get_size(), pp, tp, dp)
+        if placement not in ("node", "launcher"):
+            raise ValueError(f"placement={placement!r} is not 'node' or 'launcher'")
+        if nodes is not None and len(nodes) != comm.Get_size():
+            raise ValueError(f"nodes has {len(nodes)} entries for {comm.Get_size()} ranks")
         self._groups: dict[tuple[str, ...], Any] = {}
-        self.comm: Any = comm.Create_cart(
+        found = nodes if nodes is not None else (
+            topology(comm).map.nodes if comm.Get_size() > 1 else (0,))
+        hosts = topology(comm).map.hosts if nodes is None and comm.Get_size() > 1 else ()
+        order = node_order(found) if placement == "node" else list(range(comm.Get_size()))
+        self.order: list[int] = order
+        ids = node_ids(list(found))
+        self.nodes = NodeMap(node_ids([ids[r] for r in order]), hosts)
+        base = comm
+        if order != sorted(order):
+            base = comm.Split(0, order.index(comm.Get_rank()))
+        self.comm: Any = base.Create_cart(
             list(self.shape.as_tuple()), periods=[False] * 3, reorder=False
         )
+        if base is not comm:
+            base.Free()
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.shape.size
         c = layout(self.size, self.shape.pp, self.shape.tp, self.shape.dp)[self.rank]
@@ -136,6 +221,29 @@ class ProcessMesh:
         got = tuple(self.comm.Get_coords(self.rank))
         if got != (c["pp"], c["dp"], c["tp"]):  # pragma: no cover - an MPI library bug
             raise RuntimeError(f"rank {self.rank}: MPI coords {got} differ from layout {c}")
+        self._warn_split_tp(found)
+
+    def _warn_split_tp(self, found: Sequence[Any]) -> None:
+        global _TP_WARNED
+        split = split_tp_groups(found, self.shape.tp, self.order) if self.shape.tp > 1 else []
+        if split and self.rank == 0 and not _TP_WARNED:
+            _TP_WARNED = True
+            warnings.warn(
+                f"{len(split)} of {self.size // self.shape.tp} tensor-parallel groups "
+                f"(tp={self.shape.tp}) span two or more nodes (ranks per node: "
+                f"{self.nodes.counts}); their activations cross the inter-node link",
+                RuntimeWarning, stacklevel=3,
+            )
+
+    def describe_nodes(self) -> list[str]:
+        """The layout by node, one line per node (see :func:`describe_nodes`). Not collective."""
+        return describe_nodes(self.nodes, self.shape)
+
+    def node_banner(self) -> str:
+        """The layout by node as indented lines ending in a newline; "" on one node."""
+        if self.nodes.n_nodes <= 1:
+            return ""
+        return "".join(f"  {line}\n" for line in self.describe_nodes())
 
     # -- groups ---------------------------------------------------------------------
     def group(self, dims: str | Iterable[str]) -> Any:

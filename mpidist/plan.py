@@ -23,7 +23,12 @@ transformer layer without recomputation: ``s·b·h·(10 + 24/tp + 5·a·s/(h·tp
 Step time: compute ``6·params·tokens / (devices·flops·efficiency)`` stretched by the pipeline
 bubble ``(pp-1)/m``, plus an alpha-beta cost for every collective (ring algorithms:
 allreduce ``2(n-1)α + 2(n-1)/n·S/β``; reduce-scatter and allgather half of that), with the
-intra-node link for a group that fits in a node and the inter-node link otherwise. Nothing is
+intra-node link for a group that fits in a node. Two network levels: a group that spans
+N nodes with L of its ranks on each runs mpidist's two-level collectives
+(:mod:`mpidist.topology`): the intra-node part (a ring over L ranks) and the inter-node part
+(every node sends ``(N-1)/N·S``, twice for allreduce, through its link of ``node_bw`` bytes/s
+shared by all collectives of the same kind running on the node, and at most ``inter_bw`` per
+device) run as a pipeline of pieces, so the slower of the two counts. Nothing else is
 assumed overlapped, so the times are upper bounds for well-overlapped implementations.
 """
 
@@ -43,12 +48,14 @@ __all__ = [
     "add_parser",
     "allgather_time",
     "allreduce_time",
+    "group_time",
     "bytes_per_parameter",
     "main",
     "model_state_bytes",
     "parse_count",
     "plan",
     "reduce_scatter_time",
+    "zero_sync_time",
 ]
 
 GB = 1e9  # the ZeRO paper's and Megatron's GB
@@ -130,6 +137,10 @@ class Cluster:
         flops: peak FLOP/s per device; ``efficiency`` the achieved fraction.
         intra_bw, inter_bw: bytes/s per link within a node and between nodes.
         intra_latency, inter_latency: seconds per message.
+        node_bw: bytes/s of one node's link to the others, shared by its devices (None:
+            ``devices_per_node * inter_bw``, a network port per device).
+        hierarchical: groups that span nodes use two-level collectives (mpidist's default
+            for large messages); False models one flat ring over the inter-node link.
     """
 
     devices: int
@@ -141,8 +152,14 @@ class Cluster:
     intra_latency: float = 5e-6
     inter_bw: float = 25e9
     inter_latency: float = 10e-6
+    node_bw: float | None = None
+    hierarchical: bool = True
 
     def __post_init__(self) -> None:
+        if self.node_bw is not None and not (
+                isinstance(self.node_bw, (int, float)) and math.isfinite(self.node_bw)
+                and self.node_bw > 0):
+            raise ValueError(f"node_bw={self.node_bw!r} must be a positive number or None")
         for name in ("devices", "devices_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -161,6 +178,45 @@ class Cluster:
         if span <= self.devices_per_node:
             return self.intra_latency, self.intra_bw
         return self.inter_latency, self.inter_bw
+
+    @property
+    def node_link_bw(self) -> float:
+        """Bytes/s of one node's link (``node_bw``, or a port per device)."""
+        return self.node_bw if self.node_bw is not None else self.devices_per_node * self.inter_bw
+
+
+_RING = {"allreduce": allreduce_time, "reduce_scatter": reduce_scatter_time,
+         "allgather": allgather_time}
+
+
+def group_time(kind: str, nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    """Seconds of one ``kind`` collective of ``nbytes`` over a group of ``n`` ranks whose
+    members are ``stride`` devices apart (mesh ranks: tp groups stride 1, dp groups stride
+    tp), all groups of that kind running at once.
+
+    A group inside one node takes the intra-node ring. One that spans nodes takes the
+    two-level collective when ``cluster.hierarchical`` (see the module docstring), else a
+    flat ring at the inter-node link.
+    """
+    ring = _RING[kind]
+    if n <= 1:
+        return 0.0
+    span = (n - 1) * stride + 1
+    dpn = cluster.devices_per_node
+    if span <= dpn:
+        return ring(nbytes, n, cluster.intra_latency, cluster.intra_bw)
+    per_node = max(1, dpn // stride) if stride < dpn else 1
+    if not cluster.hierarchical or per_node == 1 or n % per_node:
+        return ring(nbytes, n, cluster.inter_latency, cluster.inter_bw)
+    nodes = n // per_node
+    factor = 2.0 if kind == "allreduce" else 1.0
+    node_bytes = factor * (nodes - 1) / nodes * nbytes
+    concurrent = min(stride, dpn)  # groups of this kind with ranks on the same node
+    inter = max(concurrent * node_bytes / cluster.node_link_bw,
+                node_bytes / per_node / cluster.inter_bw)
+    inter += factor * (nodes - 1) * cluster.inter_latency
+    intra = ring(nbytes, per_node, cluster.intra_latency, cluster.intra_bw)
+    return max(inter, intra)
 
 
 def _precision(precision: str) -> tuple[int, int, int, int, int]:
@@ -270,13 +326,14 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             compute *= 1 + (pp - 1) / m
             # tp varies fastest, then dp, then pp (ProcessMesh): a tp group spans tp
             # consecutive devices, a dp group tp·dp, a pipeline hop crosses tp·dp devices.
-            a_tp, b_tp = cluster.link(tp)
             act_msg = micro_batch * seq_len * hidden * act_bytes
             # Megatron: 2 allreduces forward, 2 backward per layer and micro-batch.
-            tp_comm = 4 * (layers / pp) * m * allreduce_time(act_msg, tp, a_tp, b_tp)
+            tp_comm = 4 * (layers / pp) * m * group_time("allreduce", act_msg, tp, 1, cluster)
             a_pp, b_pp = cluster.link(tp * dp * 2 if pp > 1 else 1)
             pp_comm = 2 * m * (a_pp + act_msg / tp / b_pp) if pp > 1 else 0.0
-            a_dp, b_dp = cluster.link(tp * dp)
+            def sync(kind: str, nbytes: float, dp: int = dp, tp: int = tp) -> float:
+                return group_time(kind, nbytes, dp, tp, cluster)
+
             for z in zero_stages:
                 if (pp > 1 and z > 1) or (dp == 1 and z > 0):
                     # ZeRO-2/3 re-shard per micro-batch, which a pipeline multiplies; with
@@ -284,17 +341,7 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                     continue
                 states = psi * bytes_per_parameter(precision, optimizer, z, dp)
                 g_all, p_all = psi * g_bytes, psi * p_bytes
-                if z == 0:
-                    dp_comm = allreduce_time(g_all, dp, a_dp, b_dp)
-                elif z == 1:
-                    dp_comm = allreduce_time(g_all, dp, a_dp, b_dp) \
-                        + allgather_time(p_all, dp, a_dp, b_dp)
-                elif z == 2:
-                    dp_comm = reduce_scatter_time(g_all, dp, a_dp, b_dp) \
-                        + allgather_time(p_all, dp, a_dp, b_dp)
-                else:
-                    dp_comm = reduce_scatter_time(g_all, dp, a_dp, b_dp) \
-                        + 2 * m * allgather_time(p_all, dp, a_dp, b_dp)
+                dp_comm = zero_sync_time(z, g_all, p_all, m, sync)
                 total = states + act
                 step = compute + dp_comm + tp_comm + pp_comm
                 rows.append({
@@ -313,6 +360,21 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                 })
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["total_gb"]))
     return rows
+
+
+def zero_sync_time(stage: int, grad_bytes: float, param_bytes: float, micro_batches: int,
+                   sync: Any) -> float:
+    """Data-parallel communication of one step at ZeRO ``stage``; ``sync(kind, nbytes)``
+    gives one collective's seconds. DDP: allreduce of the gradients; ZeRO-1: that and an
+    allgather of the parameters; ZeRO-2: reduce-scatter and allgather; ZeRO-3:
+    reduce-scatter and an allgather forward and backward per micro-batch."""
+    if stage == 0:
+        return sync("allreduce", grad_bytes)
+    if stage == 1:
+        return sync("allreduce", grad_bytes) + sync("allgather", param_bytes)
+    if stage == 2:
+        return sync("reduce_scatter", grad_bytes) + sync("allgather", param_bytes)
+    return sync("reduce_scatter", grad_bytes) + 2 * micro_batches * sync("allgather", param_bytes)
 
 
 def parse_count(text: str | float) -> float:
@@ -354,6 +416,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--intra-latency", type=float, default=5e-6, help="intra-node seconds")
     p.add_argument("--inter-bw", type=float, default=25e9, help="inter-node bytes/s")
     p.add_argument("--inter-latency", type=float, default=10e-6, help="inter-node seconds")
+    p.add_argument("--node-bw", type=float, default=None,
+                   help="bytes/s of a node's link, shared by its devices (default: "
+                        "devices-per-node x inter-bw)")
+    p.add_argument("--flat-collectives", action="store_true",
+                   help="model flat rings across nodes instead of two-level collectives")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--top", type=int, default=20, help="rows to print (table output)")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout")
@@ -370,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(devices=args.devices, devices_per_node=args.devices_per_node,
                       memory_gb=args.memory_gb, flops=args.flops, efficiency=args.efficiency,
                       intra_bw=args.intra_bw, intra_latency=args.intra_latency,
-                      inter_bw=args.inter_bw, inter_latency=args.inter_latency)
+                      inter_bw=args.inter_bw, inter_latency=args.inter_latency,
+                      node_bw=args.node_bw, hierarchical=not args.flat_collectives)
     rows = plan(args.params, args.devices, optimizer=args.optimizer, precision=args.precision,
                 layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                 micro_batch=args.micro_batch, global_batch=args.global_batch, cluster=cluster,

@@ -372,6 +372,7 @@ def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
               f"{cfg.n_layer}x{cfg.n_embd} ({n_params:,} parameters), {cfg.dtype}, global "
               f"batch {cfg.global_batch} x {cfg.block_size} tokens, steps {start_step}->"
               f"{cfg.steps}", flush=True)
+        print(model.mesh.node_banner(), end="", flush=True)
 
     progress = _Progress(cfg.steps, start_step, enabled=is_root and cfg.progress)
     tokens_per_step = cfg.global_batch * cfg.block_size

@@ -132,3 +132,11 @@ def test_env_and_demo_under_mpiexec(tmp_path: Path):
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert summary["world_size"] == 4 and summary["replicas_identical"]
     assert summary["buckets"] > 1
+
+
+def test_layout_by_node_groups_ranks_by_host():
+    from mpidist.launch.env import layout_by_node
+
+    rows = [{"rank": 1, "host": "b"}, {"rank": 0, "host": "a"}, {"rank": 3, "host": "b"},
+            {"rank": 2, "host": "a"}]
+    assert layout_by_node(rows) == ["a: 2 rank(s) 0 2", "b: 2 rank(s) 1 3"]

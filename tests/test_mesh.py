@@ -106,3 +106,87 @@ def test_mesh_bad_input_raises_on_every_rank_before_communicating(comm):
         ProcessMesh(comm, pp=n + 1)
     # Every rank raised without a collective: the communicator is still in step.
     comm.Barrier()
+
+
+# -- node-aware placement ------------------------------------------------------------------
+def test_node_order_keeps_a_block_placement_and_regroups_round_robin():
+    from mpidist.mesh import node_order
+
+    assert node_order(["a", "a", "b", "b"]) == [0, 1, 2, 3]
+    assert node_order(["a", "b", "a", "b"]) == [0, 2, 1, 3]
+    assert node_order([1, 0, 1, 0, 1, 0]) == [0, 2, 4, 1, 3, 5]
+    # nodes come in the order of their lowest rank, whatever their names
+    assert node_order(["z", "y", "y", "z", "x"]) == [0, 3, 1, 2, 4]
+
+
+@pytest.mark.parametrize(("nodes", "tp", "split"), [
+    (["a", "b", "a", "b"], 2, []),             # round-robin: regrouped, no tp group split
+    (["a"] * 3 + ["b"] * 3, 2, [1]),           # 3 ranks a node: the middle group straddles
+    (["a"] * 3 + ["b"] * 3, 3, []),
+    (["a", "b", "c", "d"], 2, [0, 1]),         # one rank per node: every group straddles
+    (["a"] * 8, 4, []),
+])
+def test_split_tp_groups(nodes, tp, split):
+    from mpidist.mesh import split_tp_groups
+
+    assert split_tp_groups(nodes, tp) == split
+
+
+def test_split_tp_groups_with_the_launchers_order():
+    from mpidist.mesh import split_tp_groups
+
+    assert split_tp_groups(["a", "b", "a", "b"], 2, order=[0, 1, 2, 3]) == [0, 1]
+
+
+def test_describe_nodes():
+    from mpidist.mesh import MeshShape, describe_nodes
+    from mpidist.topology import NodeMap
+
+    lines = describe_nodes(NodeMap((0, 0, 1, 1), ("n1", "n2")), MeshShape(1, 2, 2))
+    assert lines == ["n1: 2 rank(s) 0(pp0,dp0,tp0) 1(pp0,dp0,tp1)",
+                     "n2: 2 rank(s) 2(pp0,dp1,tp0) 3(pp0,dp1,tp1)"]
+    long = describe_nodes(NodeMap((0,) * 12), MeshShape(1, 12, 1), width=2)
+    assert long[0].startswith("node0: 12 rank(s) 0(") and long[0].endswith("... 10 more")
+
+
+def test_mesh_placement_bad_input():
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="placement='x'"):
+        ProcessMesh(MPI.COMM_SELF, placement="x")
+    with pytest.raises(ValueError, match="nodes has 2 entries for 1 ranks"):
+        ProcessMesh(MPI.COMM_SELF, nodes=["a", "b"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mesh_regroups_ranks_dealt_round_robin(comm):
+    n = comm.Get_size()
+    nodes = [r % 2 for r in range(n)]  # as `mpirun --map-by node` on two nodes
+    tp = 2 if n % 2 == 0 and n >= 4 else 1
+    with ProcessMesh(comm, tp=tp, nodes=nodes) as mesh:
+        order = sorted(range(n), key=lambda r: (r % 2, r))
+        assert mesh.order == order
+        assert mesh.rank == order.index(comm.Get_rank())
+        assert mesh.nodes.nodes == tuple(nodes[r] for r in order)
+        # the tp group's members all sit on one node
+        members = mesh.group("tp").allgather(nodes[comm.Get_rank()])
+        assert len(set(members)) == 1
+    with ProcessMesh(comm, tp=tp, nodes=nodes, placement="launcher") as mesh:
+        assert mesh.rank == comm.Get_rank() and mesh.order == list(range(n))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_mesh_warns_once_when_a_tp_group_cannot_fit(comm):
+    import warnings
+
+    import mpidist.mesh as M
+
+    n = comm.Get_size()
+    nodes = list(range(n))  # one rank per node: no tp group fits
+    M._TP_WARNED = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ProcessMesh(comm, tp=2 if n % 2 == 0 else n, nodes=nodes).free()
+    mine = [w for w in seen if "tensor-parallel groups" in str(w.message)]
+    assert len(mine) == (1 if comm.Get_rank() == 0 else 0)

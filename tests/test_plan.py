@@ -63,15 +63,19 @@ def test_sharding_reduces_memory_and_tp_splits_activations():
     dp8 = [by[(1, 1, z)]["model_state_gb"] for z in range(4)]
     assert dp8 == sorted(dp8, reverse=True)
     assert by[(1, 2, 0)]["activation_gb"] < by[(1, 1, 0)]["activation_gb"]
-    # slower inter-node link -> a dp group spanning nodes costs more
+    # slower inter-node link -> a dp group spanning nodes costs more: with flat rings, and
+    # with two-level collectives when the node's link is slower than the ring inside it
+    # (with a 25 GB/s port per device, 8 devices' 200 GB/s keep up with the 150 GB/s inside)
     one_node = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, devices_per_node=16)
-    two_nodes = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, devices_per_node=8)
     key = (1, 1, 16, 0)
 
     def pick(rows):
         return next(r for r in rows if (r["pp"], r["tp"], r["dp"], r["zero_stage"]) == key)
 
-    assert pick(two_nodes)["dp_comm_s"] > pick(one_node)["dp_comm_s"]
+    for extra in ({"hierarchical": False}, {"node_bw": 25e9}):
+        two_nodes = P.plan(1.3e9, 16, layers=24, hidden=2048, heads=16, devices_per_node=8,
+                           **extra)
+        assert pick(two_nodes)["dp_comm_s"] > pick(one_node)["dp_comm_s"]
 
 
 def test_alpha_beta_formulas():
@@ -117,3 +121,40 @@ def test_main_table_and_add_parser(capsys):
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "layouts fit" in text and "states GB" in text
+
+
+def test_group_time_two_network_levels():
+    c = P.Cluster(devices=4, devices_per_node=2, intra_bw=10e9, intra_latency=0.0,
+                  inter_bw=1e9, inter_latency=0.0, node_bw=0.125e9)
+    s = 16 * 2**20
+    # inside a node: the ring over the intra-node link
+    assert P.group_time("allreduce", s, 2, 1, c) == P.allreduce_time(s, 2, 0.0, 10e9)
+    # 2 nodes x 2 ranks: every node sends S through its 1 Gbit/s link, then the node ring
+    two = P.group_time("allreduce", s, 4, 1, c)
+    assert two == pytest.approx(s / 0.125e9)  # the node ring hides behind the link
+    assert P.group_time("reduce_scatter", s, 4, 1, c) == pytest.approx(s / 2 / 0.125e9)
+    slow_intra = P.Cluster(devices=4, devices_per_node=2, intra_bw=0.1e9, intra_latency=0.0,
+                           inter_bw=1e9, inter_latency=0.0, node_bw=0.125e9)
+    assert P.group_time("allreduce", s, 4, 1, slow_intra) == P.allreduce_time(s, 2, 0.0, 0.1e9)
+    # a flat ring instead moves 2(n-1)/n S per rank over the inter-node link
+    flat = P.Cluster(devices=4, devices_per_node=2, intra_bw=10e9, intra_latency=0.0,
+                     inter_bw=1e9, inter_latency=0.0, node_bw=0.125e9, hierarchical=False)
+    assert P.group_time("allreduce", s, 4, 1, flat) == P.allreduce_time(s, 4, 0.0, 1e9)
+    # dp groups of stride tp=2 on 2-device nodes: one rank per node, a flat ring
+    assert P.group_time("allreduce", s, 2, 2, c) == P.allreduce_time(s, 2, 0.0, 1e9)
+    # two dp groups (stride 2) share each 4-device node's link: twice the time across
+    c4 = P.Cluster(devices=8, devices_per_node=4, intra_bw=10e9, intra_latency=0.0,
+                   inter_bw=1e9, inter_latency=0.0, node_bw=0.125e9)
+    assert P.group_time("allgather", s, 4, 2, c4) == pytest.approx(2 * s / 2 / 0.125e9)
+    with pytest.raises(ValueError, match="node_bw=-1"):
+        P.Cluster(devices=4, node_bw=-1)
+
+
+def test_zero_sync_time_composition():
+    def sync(kind, nbytes):
+        return {"allreduce": 2.0, "reduce_scatter": 1.0, "allgather": 1.0}[kind] * nbytes
+
+    assert P.zero_sync_time(0, 10, 5, 3, sync) == 20
+    assert P.zero_sync_time(1, 10, 5, 3, sync) == 25
+    assert P.zero_sync_time(2, 10, 5, 3, sync) == 15
+    assert P.zero_sync_time(3, 10, 5, 3, sync) == 10 + 2 * 3 * 5

@@ -12,6 +12,7 @@ import numpy as np
 __all__ = [
     "RuntimeEnvironment",
     "detect_environment",
+    "layout_by_node",
     "launcher_from_env",
     "launcher_from_env_summary",
 ]
@@ -67,6 +68,16 @@ def launcher_from_env_summary() -> dict[str, Any]:
         if key in os.environ:
             out[key.lower()] = os.environ[key]
     return out
+
+
+def layout_by_node(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per node from the ranks' reports (``rank`` and ``host`` keys): the node's
+    ranks, nodes in the order of their lowest rank. Pure."""
+    nodes: dict[str, list[int]] = {}
+    for row in sorted(rows, key=lambda r: r["rank"]):
+        nodes.setdefault(row["host"], []).append(row["rank"])
+    return [f"{host}: {len(ranks)} rank(s) {' '.join(map(str, ranks))}"
+            for host, ranks in nodes.items()]
 
 
 @dataclass(frozen=True)
