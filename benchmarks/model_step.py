@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-top", type=int, default=15, help="cProfile rows (0: no profile)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -65,6 +66,11 @@ def run_children(args: argparse.Namespace, argv: list[str]) -> int:
             print()
         sys.stdout.flush()
         rc = rc or subprocess.call(cmd, env=env)
+        # Memory in a fresh process whose glibc mmaps every allocation above 64 KiB from the
+        # start, so a freed buffer leaves the resident set at once (the default threshold
+        # grows and keeps freed memory for reuse); the timings above ran with the defaults.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        rc = rc or subprocess.call(cmd[:3] + ["--memory"] + cmd[3:], env=env)
     return rc
 
 
@@ -115,25 +121,13 @@ def _proc_status(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def mmap_large_allocations() -> None:
-    """Have glibc ``mmap`` every allocation above 64 KiB, so a freed buffer leaves the
-    resident set at once (glibc's default threshold grows and keeps freed memory around).
-    Called after the timings, which run with the default allocator settings."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def peak_step_bytes(step) -> int | None:
     """Peak resident memory of one ``step()`` above the resident memory before it.
 
     The kernel's high-water mark is reset (``/proc/self/clear_refs``) right before the step,
     so the figure covers everything the step allocates and touches, from any allocator
-    (NumPy, Numba, torch), with the same instrument for both libraries (after
-    :func:`mmap_large_allocations` and one warm-up step). ``None`` where ``/proc`` does not
+    (NumPy, Numba, torch), with the same instrument for both libraries (after one warm-up
+    step; run under ``MALLOC_MMAP_THRESHOLD_=65536``). ``None`` where ``/proc`` does not
     offer this (not Linux).
     """
     try:
@@ -221,14 +215,9 @@ def main(args: argparse.Namespace) -> int:
     tokens = args.batch * cfg.block_size
     threads_n = args.threads[0]
     threads = threads_n
-    print(
-        f"GPT n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
-        f"block_size={cfg.block_size} vocab={cfg.vocab_size} batch={args.batch} "
-        f"dtype={dtype} params={model.num_parameters():,} threads={threads}"
-    )
+    from mpidist.nn.fused import get_kernels
 
-    kernels = os.environ.get("MPIDIST_NN_KERNELS", "numba")
-    print(f"numpy {np.__version__}, python {sys.version.split()[0]}, nn kernels: {kernels}")
+    kernels = get_kernels()
 
     def mp_step() -> float:
         return mpidist_step(model, loss_fn, x, y)
@@ -236,17 +225,26 @@ def main(args: argparse.Namespace) -> int:
     try:
         make_step, tv, tthreads = torch_model(cfg, params.views(), args.dtype, threads_n)
     except ImportError:
+        make_step = None
+    if args.memory:
+        mp_mem = peak_step_bytes(mp_step)
+        t_mem = None if make_step is None else peak_step_bytes(make_step(x, y))
+        ratio = "" if not (mp_mem and t_mem) else f"  ratio {mp_mem / t_mem:.2f}x"
+        print(f"peak step memory: mpidist {_mib(mp_mem)}, torch {_mib(t_mem)}{ratio}")
+        return 0
+    print(f"GPT n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
+          f"block_size={cfg.block_size} vocab={cfg.vocab_size} batch={args.batch} "
+          f"dtype={dtype} params={model.num_parameters():,} threads={threads}")
+    print(f"numpy {np.__version__}, python {sys.version.split()[0]}, nn kernels: {kernels}")
+    if make_step is None:
         print("torch      : not available (pip install torch to compare); mpidist number only")
         ((sec, loss),) = time_alternating([mp_step], args.steps)
-        mmap_large_allocations()
         print(f"mpidist.nn : {sec * 1e3:8.1f} ms/step  {tokens / sec:10.0f} tokens/s  "
-              f"loss={loss:.6f}  peak step memory {_mib(peak_step_bytes(mp_step))}")
+              f"loss={loss:.6f}")
     else:
         t_step = make_step(x, y)
         (sec, loss), (tsec, tloss) = time_alternating([mp_step, t_step], args.steps)
         mp_tps, t_tps = tokens / sec, tokens / tsec
-        mmap_large_allocations()
-        mp_mem, t_mem = peak_step_bytes(mp_step), peak_step_bytes(t_step)
         print(f"mpidist.nn : {sec * 1e3:8.1f} ms/step  {mp_tps:10.0f} tokens/s  loss={loss:.6f}")
         print(
             f"torch {tv:<5}: {tsec * 1e3:8.1f} ms/step  {t_tps:10.0f} tokens/s  loss={tloss:.6f}"
@@ -256,8 +254,6 @@ def main(args: argparse.Namespace) -> int:
             f"ratio mpidist/torch: {mp_tps / t_tps:.2f}x  "
             f"(loss difference {abs(loss - tloss):.2e})"
         )
-        ratio = "" if not (mp_mem and t_mem) else f"  ratio {mp_mem / t_mem:.2f}x"
-        print(f"peak step memory: mpidist {_mib(mp_mem)}, torch {_mib(t_mem)}{ratio}")
 
     if args.profile_top > 0:
         prof = cProfile.Profile()

@@ -265,10 +265,10 @@ def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = F
         return _cuda().bias_gelu_backward(h, dy, db, inplace)
     if _numba(h, dy) and h.flags.c_contiguous and dy.flags.c_contiguous:
         n, f = h.shape
-        out = dy if inplace else np.empty(dy.shape, dtype=dy.dtype)
+        out = dy if inplace else dy.copy()
         has_db = db is not None
-        part = np.zeros((_cpu.chunks(n) if has_db else 1, f))
-        _cpu.bias_gelu_backward(h, dy, out, db if has_db else part[0], part,
+        part = np.zeros((_cpu.chunks(n), f))
+        _cpu.bias_gelu_backward(h, out, db if has_db else part[0], part,
                                 _cpu.gelu_constants(h.dtype), has_db)
         return out
     d = gelu_tanh_backward(h, _tanh_term(h), dy)

@@ -294,10 +294,10 @@ def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
-def bias_gelu_backward(h, dy, out, db, part, k, has_db):  # pragma: no cover - compiled
-    """``out = dy * gelu_tanh'(h)`` (``out`` may be ``dy``); with ``has_db``, ``db`` also
-    accumulates the column sums of ``out``. ``part`` (chunks, F) holds zeros on entry; ``k``
-    is :func:`gelu_constants`."""
+def bias_gelu_backward(h, dy, db, part, k, has_db):  # pragma: no cover - compiled
+    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place; with ``has_db``, ``db`` also
+    accumulates its column sums. ``part`` (chunks, F) holds zeros on entry; ``k`` is
+    :func:`gelu_constants`."""
     n, f = h.shape
     nch = part.shape[0]
     c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
@@ -306,12 +306,11 @@ def bias_gelu_backward(h, dy, out, db, part, k, has_db):  # pragma: no cover - c
         for i in range(q * n // nch, (q + 1) * n // nch):
             hr = h[i]
             g = dy[i]
-            o = out[i]
             for j in range(f):
                 v = hr[j]
                 t = tanh_fast(c * (v + a * v * v * v))
                 d = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
-                o[j] = d
+                g[j] = d
                 pb[j] += d
     if has_db:
         for q in range(nch):
