@@ -48,8 +48,10 @@ GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
 # tanh(x) = x P(x^2) / Q(x^2) on [-7.9, 7.9] (the rational form of Eigen and XLA's fast
-# float tanh); beyond the clamp tanh is +-1 in float32.
+# float tanh), within 5 float32 ulps of tanh.
 _T_CLAMP = np.float32(7.90531110763549805)
+_T_ONE = np.float32(9.0)
+_ONE = np.float32(1.0)
 _A1, _A3, _A5 = np.float32(4.89352455891786e-03), np.float32(6.37261928875436e-04), np.float32(
     1.48572235717979e-05)
 _A7, _A9 = np.float32(5.12229709037114e-08), np.float32(-8.60467152213735e-11)
@@ -79,7 +81,9 @@ def _tanh_fast_impl(x):  # pragma: no cover - compiled
             q = v2 * _B6 + _B4
             q = q * v2 + _B2
             q = q * v2 + _B0
-            return v * p / q
+            # From |x| = 9 on, float32 tanh rounds to +-1: return it exactly, so that
+            # 1 - t^2 (GELU's derivative) is 0 there, as with NumPy.
+            return v * p / q if abs(x) < _T_ONE else (_ONE if x > 0 else -_ONE)
 
         return impl32
 
@@ -115,7 +119,6 @@ _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.flo
     8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(
     5.0000001201e-1)
-_ONE = np.float32(1.0)
 
 
 @overload(exp_fast, jit_options={"fastmath": _FM, "error_model": "numpy"})
