@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.kernels import is_device_array
+
 __all__ = [
     "GELU_A",
     "GELU_C",
@@ -95,9 +97,7 @@ def use_kernels(name: str) -> Iterator[None]:
 
 
 def _on_device(*arrays: Any) -> bool:
-    return any(
-        hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray) for a in arrays
-    )
+    return any(not isinstance(a, np.ndarray) and is_device_array(a) for a in arrays)
 
 
 def _numba(*arrays: np.ndarray) -> bool:
