@@ -161,3 +161,33 @@ def test_gpt_step_same_with_either_kernels(dtype: type) -> None:
 
     ref, got = both(run)
     assert_same(ref, got, dtype, scale=10)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+@pytest.mark.parametrize("t", [5, 33, 40])
+def test_causal_attention_matches_dense(kernels: str, t: int) -> None:
+    """Attention (which skips the masked block of queries x keys from T = 32 on) against a
+    dense transcription, forward and backward, float64."""
+    from mpidist.nn.attention import causal_attention, causal_attention_backward
+
+    b, h, d = 2, 3, 4
+    rng = np.random.default_rng(t)
+    qkv = rng.standard_normal((b, t, 3 * h * d))
+    dy = rng.standard_normal((b, t, h * d))
+    with F.use_kernels(kernels):
+        y, saved = causal_attention(qkv, h)
+        dqkv = causal_attention_backward(dy, saved)
+
+    a = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
+    q, k, v = a[0], a[1], a[2]
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d) + np.triu(np.full((t, t), -np.inf), 1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ref = (p @ v).transpose(0, 2, 1, 3).reshape(b, t, h * d)
+    dyh = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+    dp = dyh @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) / np.sqrt(d)
+    dref = np.stack((ds @ k, ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ dyh))
+    dref = dref.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dqkv, dref, rtol=1e-12, atol=1e-13)
