@@ -264,12 +264,10 @@ def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = F
     if _on_device(h, dy):
         return _cuda().bias_gelu_backward(h, dy, db, inplace)
     if _numba(h, dy) and h.flags.c_contiguous and dy.flags.c_contiguous:
-        n, f = h.shape
         out = dy if inplace else dy.copy()
-        has_db = db is not None
-        part = np.zeros((_cpu.chunks(n), f))
-        _cpu.bias_gelu_backward(h, out, db if has_db else part[0], part,
-                                _cpu.gelu_constants(h.dtype), has_db)
+        _cpu.gelu_backward(h, out, _cpu.gelu_constants(h.dtype))
+        if db is not None:
+            db += out.sum(axis=0)
         return out
     d = gelu_tanh_backward(h, _tanh_term(h), dy)
     if db is not None:
@@ -349,6 +347,15 @@ def warm_up() -> None:
     """Compile the Numba kernels for float32 and float64 (fills Numba's on-disk cache)."""
     if not HAVE_NUMBA:
         return
+    try:
+        for force in (False, True):
+            _cpu.FORCE_PARALLEL = force
+            _warm_up_once()
+    finally:
+        _cpu.FORCE_PARALLEL = None
+
+
+def _warm_up_once() -> None:
     with use_kernels("numba"):
         for dt in (np.float32, np.float64):
             rng = np.random.default_rng(0)

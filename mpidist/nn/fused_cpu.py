@@ -1,4 +1,4 @@
-"""Numba CPU kernels of the layers (``njit(parallel=True, cache=True)``), one pass per chain.
+"""Numba CPU kernels of the layers (``njit(cache=True)``), one pass per chain.
 
 Each kernel fuses a chain that NumPy runs as several passes over memory: the causal
 softmax with scale and mask (and its backward, which recomputes the probabilities from the
@@ -6,7 +6,10 @@ saved log-sum-exp), layer norm, GELU with the bias add folded in, cross-entropy 
 log-softmax, and the embedding's scatter-add. Rows are independent, so the outer loop is a
 ``prange``; per-column sums (bias and LayerNorm parameter gradients) go to one partial row
 per chunk of rows, added up at the end in a fixed order, so a result does not depend on the
-thread count's scheduling. Kernels never allocate their outputs (the callers in
+thread count's scheduling. Each kernel is compiled twice: serial, used when Numba has one
+thread (MPI ranks, the default of the Makefile), and with ``parallel=True``, used when it
+has more (a parallel launch wakes the pool's threads, which on an oversubscribed node costs
+more than the kernel). Kernels never allocate their outputs (the callers in
 :mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller.
 
 The float32 GELU uses a rational ``tanh`` (no libm call, so the loop vectorises), accurate
@@ -16,6 +19,9 @@ to a few float32 ulps; float64 uses ``expm1``, accurate to round-off. Not collec
 from __future__ import annotations
 
 import math
+import types as pytypes
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -29,9 +35,10 @@ __all__ = [
     "chunks",
     "gelu",
     "gelu_constants",
+    "kernel",
     "exp_fast",
     "tanh_fast",
-    "bias_gelu_backward",
+    "gelu_backward",
     "causal_softmax",
     "causal_softmax_backward",
     "cross_entropy",
@@ -146,13 +153,44 @@ def _exp_fast_impl(x):  # pragma: no cover - compiled
     return impl64
 
 
+class _Kernel:
+    """A kernel compiled serial and parallel (each with its own cache entry); a call runs
+    the parallel one only when Numba has more than one thread."""
+
+    def __init__(self, fn: Callable[..., Any], fastmath: Any) -> None:
+        opts = {"cache": True, "error_model": "numpy", "fastmath": fastmath}
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+        self.serial = njit(**opts)(fn)
+        # A copy under another qualified name, so the two compilations do not share an
+        # entry in Numba's on-disk cache.
+        par = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_parallel",
+                                   fn.__defaults__, fn.__closure__)
+        par.__qualname__ = fn.__qualname__ + "_parallel"
+        self.parallel = njit(parallel=True, **opts)(par)
+
+    def __call__(self, *args: Any) -> Any:
+        use_parallel = numba.get_num_threads() > 1 if FORCE_PARALLEL is None else FORCE_PARALLEL
+        return (self.parallel if use_parallel else self.serial)(*args)
+
+
+#: ``None``: parallel kernels when Numba has more than one thread; ``True``/``False``: always
+#: or never (``warm_up`` compiles both).
+FORCE_PARALLEL: bool | None = None
+
+
+def kernel(fastmath: Any = _FM) -> Callable[[Callable[..., Any]], _Kernel]:
+    """Decorator: :class:`_Kernel` of the function."""
+    return lambda fn: _Kernel(fn, fastmath)
+
+
 def chunks(n: int) -> int:
     """Number of row chunks for partial column sums: one per Numba thread, at most ``n``."""
     return max(1, min(n, numba.get_num_threads()))
 
 
 # -- causal softmax -------------------------------------------------------------------------
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
     """In place on ``s`` (R, T, T): row i of each matrix becomes softmax(scale * s[:i+1])
     followed by zeros; ``lse`` (R, T) receives each row's log-sum-exp of the scaled row."""
@@ -177,7 +215,7 @@ def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
             lse[r, i] = ms + math.log(acc)
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def causal_softmax_backward(s, dp, lse, scale):  # pragma: no cover - compiled
     """From the raw scores ``s`` and ``dp = dL/dP``: ``s`` becomes P (recomputed from
     ``lse``) and ``dp`` becomes ``scale * P * (dp - rowsum(P * dp))``, the gradient of the
@@ -201,7 +239,7 @@ def causal_softmax_backward(s, dp, lse, scale):  # pragma: no cover - compiled
 
 
 # -- layer norm -----------------------------------------------------------------------------
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def layer_norm(x, w, b, eps, out, mean, rstd):  # pragma: no cover - compiled
     """``out = (x - mean) * rstd * w + b`` over the rows of ``x`` (N, C); saves mean, rstd."""
     n, c = x.shape
@@ -223,7 +261,7 @@ def layer_norm(x, w, b, eps, out, mean, rstd):  # pragma: no cover - compiled
         rstd[i] = rs
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def layer_norm_backward(dy, x, w, mean, rstd, dx, dw, db, part):  # pragma: no cover
     """``dx`` from ``dy``; ``dw += sum(dy * xhat)``, ``db += sum(dy)`` over rows. ``part``
     (chunks, 2, C) holds zeros on entry (one partial row per chunk of rows)."""
@@ -266,7 +304,7 @@ def gelu_constants(dtype: np.dtype) -> np.ndarray:
     return np.array([GELU_C, GELU_A, 3.0 * GELU_A, 0.5, 1.0], dtype=dtype)
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def gelu(x, y, k):  # pragma: no cover - compiled
     """``y = gelu_tanh(x)``; ``k`` is :func:`gelu_constants` of the dtype."""
     n, f = x.shape
@@ -280,7 +318,7 @@ def gelu(x, y, k):  # pragma: no cover - compiled
             yr[j] = half * v * (one + t)
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
     """``h += b`` in place (the pre-activation, kept for backward), ``y = gelu_tanh(h)``;
     ``k`` is :func:`gelu_constants` of the dtype."""
@@ -296,33 +334,24 @@ def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
             yr[j] = half * v * (one + t)
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
-def bias_gelu_backward(h, dy, db, part, k, has_db):  # pragma: no cover - compiled
-    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place; with ``has_db``, ``db`` also
-    accumulates its column sums. ``part`` (chunks, F) holds zeros on entry; ``k`` is
-    :func:`gelu_constants`."""
+@kernel()
+def gelu_backward(h, dy, k):  # pragma: no cover - compiled
+    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place (the tanh recomputed from ``h``);
+    ``k`` is :func:`gelu_constants`. The bias gradient, a column sum, is left to the caller:
+    accumulating it here costs more than a separate pass."""
     n, f = h.shape
-    nch = part.shape[0]
     c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
-    for q in prange(nch):
-        pb = part[q]
-        for i in range(q * n // nch, (q + 1) * n // nch):
-            hr = h[i]
-            g = dy[i]
-            for j in range(f):
-                v = hr[j]
-                t = tanh_fast(c * (v + a * v * v * v))
-                d = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
-                g[j] = d
-                pb[j] += d
-    if has_db:
-        for q in range(nch):
-            for j in range(f):
-                db[j] += part[q, j]
+    for i in prange(n):
+        hr = h[i]
+        g = dy[i]
+        for j in range(f):
+            v = hr[j]
+            t = tanh_fast(c * (v + a * v * v * v))
+            g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
 
 
 # -- cross-entropy --------------------------------------------------------------------------
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def cross_entropy(z, targets, lse):  # pragma: no cover - compiled
     """Sum over rows of ``lse - z[target]`` (float64); ``lse`` (N,) receives each row's
     log-sum-exp."""
@@ -342,7 +371,7 @@ def cross_entropy(z, targets, lse):  # pragma: no cover - compiled
     return total
 
 
-@njit(parallel=True, cache=True, fastmath=_FM, error_model="numpy")
+@kernel()
 def cross_entropy_backward(z, targets, lse, scale, out):  # pragma: no cover - compiled
     """``out = scale * (softmax(z) - onehot(targets))`` from the saved log-sum-exp."""
     n, v = z.shape
@@ -356,7 +385,7 @@ def cross_entropy_backward(z, targets, lse, scale, out):  # pragma: no cover - c
 
 
 # -- embedding ------------------------------------------------------------------------------
-@njit(parallel=True, cache=True, error_model="numpy")
+@kernel(fastmath=False)
 def embedding_backward(g, ids, dy, nch):  # pragma: no cover - compiled
     """``g[ids[i]] += dy[i]`` for every row i, in row order (repeated ids accumulate).
     Threads split the columns into ``nch`` blocks, so no two write the same element."""
