@@ -4,16 +4,18 @@ Each kernel fuses a chain that NumPy runs as several passes over memory: the cau
 softmax with scale and mask (and its backward, which recomputes the probabilities from the
 saved log-sum-exp), layer norm, GELU with the bias add folded in, cross-entropy with its
 log-softmax, and the embedding's scatter-add. Rows are independent, so the outer loop is a
-``prange``; per-column sums (bias and LayerNorm parameter gradients) go to one partial row
-per chunk of rows, added up at the end in a fixed order, so a result does not depend on the
-thread count's scheduling. Each kernel is compiled twice: serial, used when Numba has one
+``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial row per
+chunk of rows, added up at the end in a fixed order, so a result does not depend on the
+threads' scheduling. Each kernel is compiled twice: serial, used when Numba has one
 thread (MPI ranks, the default of the Makefile), and with ``parallel=True``, used when it
 has more (a parallel launch wakes the pool's threads, which on an oversubscribed node costs
 more than the kernel). Kernels never allocate their outputs (the callers in
 :mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller.
 
-The float32 GELU uses a rational ``tanh`` (no libm call, so the loop vectorises), accurate
-to a few float32 ulps; float64 uses ``expm1``, accurate to round-off. Not collective.
+In float32, ``exp`` (softmax, cross-entropy) is a polynomial with an exponent bit-cast
+(about 1 ulp) and ``tanh`` (GELU) a rational function (within 5 ulps, exactly +-1 from
+|x| = 9): no libm call, so the loops vectorise. float64 calls libm (``exp``, ``expm1``),
+accurate to round-off. Not collective.
 """
 
 from __future__ import annotations
