@@ -191,10 +191,18 @@ class Block(Module):
         self.ln_2 = LayerNorm(n_embd, eps)
         self.mlp = FeedForward(n_embd, n_layer, bias)
 
+    # The residual adds go into the branch's result, a new array nobody else holds, rather
+    # than into yet another new array.
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        h = x + self.attn.forward(self.ln_1.forward(x, ctx), ctx)
-        return h + self.mlp.forward(self.ln_2.forward(h, ctx), ctx)
+        h = self.attn.forward(self.ln_1.forward(x, ctx), ctx)
+        h += x
+        out = self.mlp.forward(self.ln_2.forward(h, ctx), ctx)
+        out += h
+        return out
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        dh = dy + self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
-        return dh + self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+        dh = self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
+        dh += dy
+        dx = self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+        dx += dh
+        return dx
