@@ -6,11 +6,13 @@ saved log-sum-exp), layer norm, GELU with the bias add folded in, cross-entropy 
 log-softmax, and the embedding's scatter-add. Rows are independent, so the outer loop is a
 ``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial row per
 chunk of rows, added up at the end in a fixed order, so a result does not depend on the
-threads' scheduling. Each kernel is compiled twice: serial, used when Numba has one
-thread (MPI ranks, the default of the Makefile), and with ``parallel=True``, used when it
-has more (a parallel launch wakes the pool's threads, which on an oversubscribed node costs
-more than the kernel). Kernels never allocate their outputs (the callers in
-:mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller.
+threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``.
+The serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
+thread: every parallel launch must wake the pool's threads, and next to NumPy's BLAS threads
+(a second pool) that cost more than it saved wherever the cores were shared (with 2 threads
+on 2 busy cores a GPT step took 1.6x as long with parallel kernels as with serial ones).
+Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
+memory they use is visible to the caller.
 
 In float32, ``exp`` (softmax, cross-entropy) is a polynomial with an exponent bit-cast
 (about 1 ulp) and ``tanh`` (GELU) a rational function (within 5 ulps, exactly +-1 from
@@ -21,6 +23,7 @@ accurate to round-off. Not collective.
 from __future__ import annotations
 
 import math
+import os
 import types as pytypes
 from collections.abc import Callable
 from typing import Any
@@ -172,12 +175,18 @@ class _Kernel:
         self.parallel = njit(parallel=True, **opts)(par)
 
     def __call__(self, *args: Any) -> Any:
-        use_parallel = numba.get_num_threads() > 1 if FORCE_PARALLEL is None else FORCE_PARALLEL
+        if FORCE_PARALLEL is None:
+            use_parallel = PARALLEL and numba.get_num_threads() > 1
+        else:
+            use_parallel = FORCE_PARALLEL
         return (self.parallel if use_parallel else self.serial)(*args)
 
 
-#: ``None``: parallel kernels when Numba has more than one thread; ``True``/``False``: always
-#: or never (``warm_up`` compiles both).
+#: Whether the parallel kernels may run (``MPIDIST_NN_PARALLEL=1``; then only when Numba has
+#: more than one thread).
+PARALLEL = os.environ.get("MPIDIST_NN_PARALLEL", "0") == "1"
+#: ``None``: as :data:`PARALLEL` says; ``True``/``False``: always or never (``warm_up``
+#: compiles both).
 FORCE_PARALLEL: bool | None = None
 
 

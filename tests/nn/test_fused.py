@@ -191,3 +191,31 @@ def test_causal_attention_matches_dense(kernels: str, t: int) -> None:
     dref = dref.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
     np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(dqkv, dref, rtol=1e-12, atol=1e-13)
+
+
+def test_parallel_kernels_match_serial() -> None:
+    """The ``parallel=True`` compilations (``MPIDIST_NN_PARALLEL=1``) give the serial ones'
+    results (float64; the partial column sums may group differently)."""
+    from mpidist.nn import fused_cpu
+
+    cfg = GPTConfig(vocab_size=37, block_size=40, n_layer=1, n_head=2, n_embd=8)
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 37, (3, 40))
+    y = rng.integers(0, 37, (3, 40))
+
+    def run():
+        model = GPT(cfg)
+        _, grads = model.build(dtype=np.float64, seed=2)
+        loss_fn = CrossEntropyLoss()
+        loss = loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        return np.float64(loss), grads.data.copy()
+
+    results = []
+    try:
+        for force in (False, True):
+            fused_cpu.FORCE_PARALLEL = force
+            results.append(run())
+    finally:
+        fused_cpu.FORCE_PARALLEL = None
+    assert_same(results[0], results[1], np.float64, scale=10)
