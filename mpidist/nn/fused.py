@@ -10,8 +10,9 @@ transcription below, which is the reference the kernels are tested against.
 
 Which one runs is set by the environment variable ``MPIDIST_NN_KERNELS`` (``numba``, the
 default, or ``numpy``; the older ``MPIDIST_NN_NUMBA=0`` means ``numpy``) or at run time by
-:func:`set_kernels` / :func:`use_kernels`. Without Numba the NumPy path runs. No function
-here communicates.
+:func:`set_kernels` / :func:`use_kernels`. Without Numba the NumPy path runs. The Numba
+kernels run serial unless ``MPIDIST_NN_PARALLEL=1`` (see :mod:`mpidist.nn.fused_cpu`). No
+function here communicates.
 """
 
 from __future__ import annotations
