@@ -1,14 +1,17 @@
-"""GPT forward+backward throughput: mpidist.nn (NumPy) next to the same model in PyTorch (CPU).
+"""GPT forward+backward throughput: mpidist.nn (NumPy + Numba) next to the same model in PyTorch.
 
 Usage::
 
-    python benchmarks/model_step.py [--threads N] [--steps S] [--n-layer 4 --n-embd 128 ...]
+    python benchmarks/model_step.py [--threads 1 2] [--steps S] [--n-layer 4 --n-embd 128 ...]
 
-Prints tokens/s of one forward+backward (loss included) for mpidist and, when torch is
-importable, for an identical PyTorch model with the same weights and the same thread count,
-the ratio, and the loss of both (they must agree). Then a cProfile summary of where
-mpidist's time goes. Thread counts must be fixed before NumPy loads its BLAS, so arguments are
-parsed before anything imports NumPy.
+For each thread count (default: 1, then 2), in a fresh process: tokens/s of one
+forward+backward (loss included) for mpidist and, when torch is importable, for an identical
+PyTorch model with the same weights and the same thread count, timed in alternation; the
+ratio; the loss of both (they must agree); and the peak memory of one step above the memory
+held before it (activations and temporaries), measured the same way for both (see
+:func:`peak_step_bytes`). Then, for the first thread count, a cProfile summary of where
+mpidist's time goes. Thread counts must be fixed before NumPy loads its BLAS, which is why
+each count runs in its own process.
 """
 
 from __future__ import annotations
@@ -29,21 +32,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument(
-        "--threads",
-        type=int,
-        default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or None,
-        help="BLAS/torch threads (default: OMP_NUM_THREADS, else the library default)",
+        "--threads", type=int, nargs="+", default=[1, 2],
+        help="BLAS/Numba/torch thread counts, one process each (default: 1 2)",
     )
     p.add_argument("--profile-top", type=int, default=15, help="cProfile rows (0: no profile)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+def run_children(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this script once per thread count, each in a process with its thread variables."""
+    import subprocess
+
+    rest, skip = [], False
+    for a in argv:  # drop --threads and its values; each child gets one count
+        if a == "--threads":
+            skip = True
+            continue
+        if skip and a.lstrip("-").isdigit():
+            continue
+        skip = False
+        rest.append(a)
+    rc = 0
+    for i, n in enumerate(args.threads):
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "NUMBA_NUM_THREADS"):
+            env[var] = str(n)
+        cmd = [sys.executable, __file__, "--child", "--threads", str(n), *rest]
+        if i > 0:
+            cmd += ["--profile-top", "0"]
+            print()
+        sys.stdout.flush()
+        rc = rc or subprocess.call(cmd, env=env)
+        # Memory in a fresh process whose glibc mmaps every allocation above 64 KiB from the
+        # start, so a freed buffer leaves the resident set at once (the default threshold
+        # grows and keeps freed memory for reuse); the timings above ran with the defaults.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        rc = rc or subprocess.call(cmd[:3] + ["--memory"] + cmd[3:], env=env)
+    return rc
+
+
 ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.threads:
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.threads)
+if ARGS is not None and not ARGS.child:
+    raise SystemExit(run_children(ARGS, sys.argv[1:]))
 
 import cProfile  # noqa: E402
+import gc  # noqa: E402
 import io  # noqa: E402
 import pstats  # noqa: E402
 import time  # noqa: E402
@@ -60,17 +96,54 @@ def mpidist_step(model: GPT, loss_fn: CrossEntropyLoss, x: np.ndarray, y: np.nda
     return loss
 
 
-def time_steps(step, n: int) -> tuple[float, float]:
-    """Median seconds per call of ``step()`` over ``n`` calls after 2 warm-up calls; last value."""
-    value = 0.0
-    for _ in range(2):
-        value = step()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        value = step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), float(value)
+def time_alternating(steps: list, n: int) -> list[tuple[float, float]]:
+    """Median seconds per call and last value of each ``step()``, over ``n`` rounds.
+
+    Each round calls every step once, in alternation, so that load from other processes
+    falls on all of them alike; two warm-up rounds come first.
+    """
+    values = [0.0] * len(steps)
+    times: list[list[float]] = [[] for _ in steps]
+    for r in range(n + 2):
+        for i, step in enumerate(steps):
+            t0 = time.perf_counter()
+            values[i] = float(step())
+            if r >= 2:
+                times[i].append(time.perf_counter() - t0)
+    return [(float(np.median(t)), v) for t, v in zip(times, values, strict=True)]
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def peak_step_bytes(step) -> int | None:
+    """Peak resident memory of one ``step()`` above the resident memory before it.
+
+    The kernel's high-water mark is reset (``/proc/self/clear_refs``) right before the step,
+    so the figure covers everything the step allocates and touches, from any allocator
+    (NumPy, Numba, torch), with the same instrument for both libraries (after one warm-up
+    step; run under ``MALLOC_MMAP_THRESHOLD_=65536``). ``None`` where ``/proc`` does not
+    offer this (not Linux).
+    """
+    try:
+        step()
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _proc_status("VmRSS")
+        step()
+        return _proc_status("VmHWM") - base
+    except (OSError, RuntimeError):
+        return None
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def torch_model(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str, threads: int | None):
@@ -120,7 +193,7 @@ def torch_model(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str, threa
             logits = forward(xi)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yi.reshape(-1))
             loss.backward()
-            return float(loss)
+            return float(loss.detach())
 
         return step
 
@@ -140,25 +213,42 @@ def main(args: argparse.Namespace) -> int:
     y = rng.integers(0, cfg.vocab_size, (args.batch, cfg.block_size))
     loss_fn = CrossEntropyLoss()
     tokens = args.batch * cfg.block_size
-    threads = args.threads or "library default"
-    print(
-        f"GPT n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
-        f"block_size={cfg.block_size} vocab={cfg.vocab_size} batch={args.batch} "
-        f"dtype={dtype} params={model.num_parameters():,} threads={threads}"
-    )
-    print(f"numpy {np.__version__}, python {sys.version.split()[0]}")
+    threads_n = args.threads[0]
+    threads = threads_n
+    try:
+        from mpidist.nn.fused import get_kernels
 
-    sec, loss = time_steps(lambda: mpidist_step(model, loss_fn, x, y), args.steps)
-    mp_tps = tokens / sec
-    print(f"mpidist.nn : {sec * 1e3:8.1f} ms/step  {mp_tps:10.0f} tokens/s  loss={loss:.6f}")
+        kernels = get_kernels()
+    except ImportError:  # a version of mpidist before the setting existed
+        kernels = "n/a"
+
+    def mp_step() -> float:
+        return mpidist_step(model, loss_fn, x, y)
 
     try:
-        make_step, tv, tthreads = torch_model(cfg, params.views(), args.dtype, args.threads)
+        make_step, tv, tthreads = torch_model(cfg, params.views(), args.dtype, threads_n)
     except ImportError:
+        make_step = None
+    if args.memory:
+        mp_mem = peak_step_bytes(mp_step)
+        t_mem = None if make_step is None else peak_step_bytes(make_step(x, y))
+        ratio = "" if not (mp_mem and t_mem) else f"  ratio {mp_mem / t_mem:.2f}x"
+        print(f"peak step memory: mpidist {_mib(mp_mem)}, torch {_mib(t_mem)}{ratio}")
+        return 0
+    print(f"GPT n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
+          f"block_size={cfg.block_size} vocab={cfg.vocab_size} batch={args.batch} "
+          f"dtype={dtype} params={model.num_parameters():,} threads={threads}")
+    print(f"numpy {np.__version__}, python {sys.version.split()[0]}, nn kernels: {kernels}")
+    if make_step is None:
         print("torch      : not available (pip install torch to compare); mpidist number only")
+        ((sec, loss),) = time_alternating([mp_step], args.steps)
+        print(f"mpidist.nn : {sec * 1e3:8.1f} ms/step  {tokens / sec:10.0f} tokens/s  "
+              f"loss={loss:.6f}")
     else:
-        tsec, tloss = time_steps(make_step(x, y), args.steps)
-        t_tps = tokens / tsec
+        t_step = make_step(x, y)
+        (sec, loss), (tsec, tloss) = time_alternating([mp_step, t_step], args.steps)
+        mp_tps, t_tps = tokens / sec, tokens / tsec
+        print(f"mpidist.nn : {sec * 1e3:8.1f} ms/step  {mp_tps:10.0f} tokens/s  loss={loss:.6f}")
         print(
             f"torch {tv:<5}: {tsec * 1e3:8.1f} ms/step  {t_tps:10.0f} tokens/s  loss={tloss:.6f}"
             f"  (threads={tthreads})"

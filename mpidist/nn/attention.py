@@ -7,10 +7,18 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from . import fused as F
 from .layers import GELU, LayerNorm, Linear, _positive_int
 from .module import Module
 
-__all__ = ["Block", "CausalSelfAttention", "FeedForward", "softmax_lastdim"]
+__all__ = [
+    "Block",
+    "CausalSelfAttention",
+    "FeedForward",
+    "causal_attention",
+    "causal_attention_backward",
+    "softmax_lastdim",
+]
 
 
 def softmax_lastdim(s: np.ndarray) -> np.ndarray:
@@ -24,6 +32,93 @@ def softmax_lastdim(s: np.ndarray) -> np.ndarray:
 def residual_scale(n_layer: int) -> float:
     """GPT-2's init std for projections that feed the residual stream: 0.02/sqrt(2 n_layer)."""
     return 0.02 / math.sqrt(2 * n_layer)
+
+
+def _heads(a: np.ndarray, i: int) -> np.ndarray:
+    """View (B, H, T, D) of block ``i`` (q, k or v) of ``a`` shaped (B, T, 3, H, D)."""
+    return a[:, :, i].transpose(0, 2, 1, 3)
+
+
+# Below this length the matrix products run whole; from it on, the block of scores above
+# the diagonal that the causal mask removes entirely (the first half of the queries against
+# the second half of the keys) is not computed: a quarter of every product saved.
+_SPLIT_FROM = 32
+
+
+def _split(t: int) -> int:
+    return t // 2 if t >= _SPLIT_FROM else t
+
+
+def _lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, m: int) -> None:
+    """``out = a @ b`` for a causal (T, T) result: rows ``[0, m)`` only against columns
+    ``[0, m)``; the block of rows ``[0, m)`` and columns ``[m, T)`` is set to zero."""
+    if m == out.shape[-1]:
+        np.matmul(a, b, out=out)
+        return
+    np.matmul(a[..., :m, :], b[..., :, :m], out=out[..., :m, :m])
+    np.matmul(a[..., m:, :], b, out=out[..., m:, :])
+    out[..., :m, m:] = 0.0
+
+
+def _lower_left(p: np.ndarray, b: np.ndarray, out: np.ndarray, m: int) -> None:
+    """``out = p @ b`` for a lower-triangular ``p`` (..., T, T): rows ``[0, m)`` of ``p``
+    are zero beyond column ``m``."""
+    if m == p.shape[-1]:
+        np.matmul(p, b, out=out)
+        return
+    np.matmul(p[..., :m, :m], b[..., :m, :], out=out[..., :m, :])
+    np.matmul(p[..., m:, :], b, out=out[..., m:, :])
+
+
+def _lower_left_t(p: np.ndarray, b: np.ndarray, out: np.ndarray, m: int) -> None:
+    """``out = p^T @ b`` for a lower-triangular ``p`` (..., T, T)."""
+    pt = p.transpose(0, 1, 3, 2)
+    if m == p.shape[-1]:
+        np.matmul(pt, b, out=out)
+        return
+    np.matmul(pt[..., :m, :], b, out=out[..., :m, :])
+    np.matmul(pt[..., m:, m:], b[..., m:, :], out=out[..., m:, :])
+
+
+def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
+    """Causal softmax attention of ``qkv`` (B, T, 3 H D; columns q | k | v, head-major).
+
+    Returns the output (B, T, H D) and what :func:`causal_attention_backward` needs: ``qkv``
+    and the log-sum-exp of each score row, not the ``T x T`` probabilities, which backward
+    recomputes. The output is written head by head straight into its (B, T, H, D) layout,
+    so no transpose is copied. Not collective.
+    """
+    b, t, c3 = qkv.shape
+    d = c3 // (3 * n_head)
+    m = _split(t)
+    a = qkv.reshape(b, t, 3, n_head, d)
+    q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
+    s = np.empty((b, n_head, t, t), dtype=a.dtype)
+    _lower_product(q, k.transpose(0, 1, 3, 2), s, m)
+    lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
+    y = np.empty((b, t, n_head, d), dtype=s.dtype)
+    _lower_left(s, v, y.transpose(0, 2, 1, 3), m)
+    return y.reshape(b, t, n_head * d), (a, lse)
+
+
+def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:
+    """Gradient of :func:`causal_attention`'s ``qkv`` from that of its output ``dy``
+    (B, T, H D), written block by block into one (B, T, 3 H D) array. Not collective."""
+    a, lse = saved
+    b, t, _, h, d = a.shape
+    m = _split(t)
+    q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
+    dyh = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+    s = np.empty((b, h, t, t), dtype=a.dtype)
+    dp = np.empty((b, h, t, t), dtype=dy.dtype)
+    _lower_product(q, k.transpose(0, 1, 3, 2), s, m)
+    _lower_product(dyh, v.transpose(0, 1, 3, 2), dp, m)
+    F.causal_softmax_backward(s, dp, lse, 1.0 / math.sqrt(d))  # s <- P, dp <- dS
+    da = np.empty(a.shape, dtype=dp.dtype)
+    _lower_left(dp, k, _heads(da, 0), m)
+    _lower_left_t(dp, q, _heads(da, 1), m)
+    _lower_left_t(s, dyh, _heads(da, 2), m)
+    return da.reshape(b, t, 3 * h * d)
 
 
 class CausalSelfAttention(Module):
@@ -43,17 +138,6 @@ class CausalSelfAttention(Module):
         self.head_dim = self.n_embd // self.n_head
         self.qkv = Linear(self.n_embd, 3 * self.n_embd, bias)
         self.proj = Linear(self.n_embd, self.n_embd, bias, scale=residual_scale(n_layer))
-        self._masks: dict[tuple[int, str], np.ndarray] = {}
-
-    def _mask(self, t: int, dtype: np.dtype) -> np.ndarray:
-        key = (t, np.dtype(dtype).str)
-        m = self._masks.get(key)
-        if m is None:
-            # Additive mask: 0 on and below the diagonal, -inf above. Every row keeps its
-            # diagonal, so the row max is finite and softmax stays well defined.
-            m = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
-            self._masks[key] = m
-        return m
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = np.asarray(x)
@@ -61,35 +145,14 @@ class CausalSelfAttention(Module):
             raise ValueError(
                 f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"
             )
-        b, t, c = x.shape
-        h, d = self.n_head, self.head_dim
-        qkv = self.qkv.forward(x, ctx)
-        qkv = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        att = q @ k.transpose(0, 1, 3, 2)
-        att *= 1.0 / math.sqrt(d)
-        att += self._mask(t, att.dtype)
-        softmax_lastdim(att)
-        y = att @ v  # (B, H, T, D)
-        y = y.transpose(0, 2, 1, 3).reshape(b, t, c)
-        self._save(ctx, (q, k, v, att))
+        y, saved = causal_attention(self.qkv.forward(x, ctx), self.n_head)
+        self._save(ctx, saved)
         return self.proj.forward(y, ctx)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        q, k, v, att = self._take(ctx)
-        b, h, t, d = q.shape
-        dyh = self.proj.backward(dy, ctx).reshape(b, t, h, d).transpose(0, 2, 1, 3)
-        datt = dyh @ v.transpose(0, 1, 3, 2)  # (B, H, T, T)
-        dv = att.transpose(0, 1, 3, 2) @ dyh
-        # softmax backward: ds = att * (datt - sum(datt * att)); masked entries have att == 0.
-        datt -= np.sum(datt * att, axis=-1, keepdims=True)
-        datt *= att
-        datt *= 1.0 / math.sqrt(d)
-        dq = datt @ k
-        dk = datt.transpose(0, 1, 3, 2) @ q
-        dqkv = np.stack((dq, dk, dv))  # (3, B, H, T, D)
-        dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * self.n_embd)
-        return self.qkv.backward(dqkv, ctx)
+        saved = self._take(ctx)
+        return self.qkv.backward(causal_attention_backward(self.proj.backward(dy, ctx), saved),
+                                 ctx)
 
 
 class FeedForward(Module):
@@ -104,10 +167,16 @@ class FeedForward(Module):
         self.proj = Linear(hidden, n_embd, bias, scale=residual_scale(n_layer))
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.proj.forward(self.act.forward(self.fc.forward(x, ctx), ctx), ctx)
+        # The fc bias is added inside the GELU kernel (one pass instead of two).
+        h = self.fc.forward(x, ctx, add_bias=False)
+        bias = self.fc.param("bias") if self.fc.has_bias else None
+        return self.proj.forward(self.act.forward(h, ctx, bias=bias), ctx)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.fc.backward(self.act.backward(self.proj.backward(dy, ctx), ctx), ctx)
+        bias_grad = self.fc.grad("bias") if self.fc.has_bias else None
+        dh = self.act.backward(self.proj.backward(dy, ctx), ctx, bias_grad=bias_grad,
+                               overwrite=True)
+        return self.fc.backward(dh, ctx, bias_grad=False)
 
 
 class Block(Module):
@@ -122,10 +191,18 @@ class Block(Module):
         self.ln_2 = LayerNorm(n_embd, eps)
         self.mlp = FeedForward(n_embd, n_layer, bias)
 
+    # The residual adds go into the branch's result, a new array nobody else holds, rather
+    # than into yet another new array.
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        h = x + self.attn.forward(self.ln_1.forward(x, ctx), ctx)
-        return h + self.mlp.forward(self.ln_2.forward(h, ctx), ctx)
+        h = self.attn.forward(self.ln_1.forward(x, ctx), ctx)
+        h += x
+        out = self.mlp.forward(self.ln_2.forward(h, ctx), ctx)
+        out += h
+        return out
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        dh = dy + self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
-        return dh + self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+        dh = self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
+        dh += dy
+        dx = self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+        dx += dh
+        return dx

@@ -1,34 +1,287 @@
-"""Fused elementwise kernels for the layers, with NumPy fallbacks.
+"""Fused kernels of the layers, with the NumPy reference of each, behind one setting.
 
-Only where a fused loop beats NumPy's chain of temporaries: the GELU backward (about 7x
-faster than NumPy on one core). The GELU forward stays in NumPy, whose vectorised ``tanh``
-beats a scalar libm call per element. Set ``MPIDIST_NN_NUMBA=0`` to use NumPy everywhere.
+The layers hand everything between their matrix products to the functions here: the causal
+softmax with scale and mask (forward, and a backward that recomputes the probabilities from
+the saved log-sum-exp instead of keeping the ``T x T`` matrix), layer norm, GELU with the bias
+add folded in, cross-entropy with its log-softmax, and the embedding's scatter-add. Each runs
+as one Numba kernel (:mod:`mpidist.nn.fused_cpu`; NumPy arrays) or one ``numba.cuda`` kernel
+(:mod:`mpidist.nn.fused_cuda`; arrays with ``__cuda_array_interface__``), or as the NumPy
+transcription below, which is the reference the kernels are tested against.
+
+Which one runs is set by the environment variable ``MPIDIST_NN_KERNELS`` (``numba``, the
+default, or ``numpy``; the older ``MPIDIST_NN_NUMBA=0`` means ``numpy``) or at run time by
+:func:`set_kernels` / :func:`use_kernels`. Without Numba the NumPy path runs. The Numba
+kernels run serial unless ``MPIDIST_NN_PARALLEL=1`` (see :mod:`mpidist.nn.fused_cpu`). No
+function here communicates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-__all__ = ["HAVE_NUMBA", "gelu_tanh_backward"]
+from mpidist.kernels import is_device_array
+
+__all__ = [
+    "GELU_A",
+    "GELU_C",
+    "HAVE_NUMBA",
+    "bias_gelu",
+    "bias_gelu_backward",
+    "causal_softmax",
+    "causal_softmax_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "embedding_backward",
+    "gelu_tanh_backward",
+    "get_kernels",
+    "layer_norm",
+    "layer_norm_backward",
+    "set_kernels",
+    "use_kernels",
+    "warm_up",
+]
 
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
+_CHOICES = ("numba", "numpy")
 
-try:  # Numba is a hard dependency of mpidist, but keep the layers usable without it.
+
+def _initial_choice() -> str:
     if os.environ.get("MPIDIST_NN_NUMBA", "1") == "0":
-        raise ImportError("disabled by MPIDIST_NN_NUMBA=0")
-    from numba import njit
+        return "numpy"
+    choice = os.environ.get("MPIDIST_NN_KERNELS", "numba").strip().lower() or "numba"
+    if choice not in _CHOICES:
+        raise ValueError(f"MPIDIST_NN_KERNELS={choice!r} is not one of {list(_CHOICES)}")
+    return choice
+
+
+try:  # Numba is a dependency of mpidist, but keep the layers usable without it.
+    from . import fused_cpu as _cpu
 except ImportError:  # pragma: no cover - exercised only without numba
-    njit = None
+    _cpu = None  # type: ignore[assignment]
 
-HAVE_NUMBA = njit is not None
+HAVE_NUMBA = _cpu is not None
+_choice = _initial_choice()
 
 
-def _gelu_backward_numpy(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), with t = tanh(c (x + a x^3))
+def get_kernels() -> str:
+    """``"numba"`` or ``"numpy"``: the implementation the layers use now."""
+    return _choice if HAVE_NUMBA else "numpy"
+
+
+def set_kernels(name: str) -> None:
+    """Choose the implementation for NumPy arrays: ``"numba"`` (fused kernels) or ``"numpy"``.
+
+    Raises ``ValueError`` for another name. Device arrays always take the CUDA kernels.
+    """
+    global _choice
+    if name not in _CHOICES:
+        raise ValueError(f"kernels={name!r} is not one of {list(_CHOICES)}")
+    _choice = name
+
+
+@contextlib.contextmanager
+def use_kernels(name: str) -> Iterator[None]:
+    """Context manager: :func:`set_kernels` ``(name)`` inside the block, then restore."""
+    old = _choice
+    set_kernels(name)
+    try:
+        yield
+    finally:
+        set_kernels(old)
+
+
+def _on_device(*arrays: Any) -> bool:
+    return any(not isinstance(a, np.ndarray) and is_device_array(a) for a in arrays)
+
+
+def _numba(*arrays: np.ndarray) -> bool:
+    """True when the Numba CPU kernels apply: chosen, and one float dtype throughout."""
+    if _choice != "numba" or not HAVE_NUMBA:
+        return False
+    dt = arrays[0].dtype
+    return dt in (np.float32, np.float64) and all(a.dtype == dt for a in arrays)
+
+
+def _c(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a)
+
+
+def _cuda() -> Any:
+    from . import fused_cuda
+
+    return fused_cuda
+
+
+# -- causal softmax -------------------------------------------------------------------------
+_MASKS: dict[tuple[int, str], np.ndarray] = {}
+
+
+def _mask(t: int, dtype: np.dtype) -> np.ndarray:
+    key = (t, np.dtype(dtype).str)
+    m = _MASKS.get(key)
+    if m is None:
+        # Additive mask: 0 on and below the diagonal, -inf above. Every row keeps its
+        # diagonal, so the row max is finite and the softmax well defined.
+        m = _MASKS[key] = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
+    return m
+
+
+def causal_softmax(s: Any, scale: float) -> Any:
+    """In place on scores ``s`` of shape ``(..., T, T)``: row ``i`` of each matrix becomes
+    ``softmax(scale * s[i, :i+1])`` followed by zeros. Returns the log-sum-exp of each
+    scaled row, shape ``(..., T)``, which :func:`causal_softmax_backward` needs."""
+    if _on_device(s):
+        return _cuda().causal_softmax(s, scale)
+    t = s.shape[-1]
+    if _numba(s) and s.flags.c_contiguous:
+        lse = np.empty(s.shape[:-1], dtype=s.dtype)
+        _cpu.causal_softmax(s.reshape(-1, t, t), s.dtype.type(scale), lse.reshape(-1, t))
+        return lse
+    s *= scale
+    s += _mask(t, s.dtype)
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    np.exp(s, out=s)
+    acc = s.sum(axis=-1, keepdims=True)
+    s /= acc
+    np.log(acc, out=acc)
+    acc += m
+    return acc[..., 0]
+
+
+def causal_softmax_backward(s: Any, dp: Any, lse: Any, scale: float) -> None:
+    """In place: from the unscaled scores ``s`` (as before :func:`causal_softmax`), the
+    gradient ``dp`` of the probabilities P and the saved ``lse``, ``s`` becomes P and ``dp``
+    becomes the gradient of the unscaled scores, ``scale * P * (dp - rowsum(P * dp))``."""
+    if _on_device(s, dp, lse):
+        return _cuda().causal_softmax_backward(s, dp, lse, scale)
+    t = s.shape[-1]
+    if _numba(s, dp, lse) and s.flags.c_contiguous and dp.flags.c_contiguous:
+        _cpu.causal_softmax_backward(s.reshape(-1, t, t), dp.reshape(-1, t, t),
+                                     _c(lse).reshape(-1, t), s.dtype.type(scale))
+        return None
+    s *= scale
+    s -= lse[..., None]
+    s += _mask(t, s.dtype)
+    np.exp(s, out=s)
+    dot = np.sum(s * dp, axis=-1, keepdims=True)
+    dp -= dot
+    dp *= s
+    dp *= scale
+    return None
+
+
+# -- layer norm -----------------------------------------------------------------------------
+def layer_norm(x: Any, w: Any, b: Any, eps: float) -> tuple[Any, Any, Any]:
+    """Layer norm of the rows of ``x`` (N, C): ``(out, mean, rstd)``, the last two (N,)."""
+    if _on_device(x, w, b):
+        return _cuda().layer_norm(x, w, b, eps)
+    n = x.shape[0]
+    if _numba(x, w, b):
+        out = np.empty(x.shape, dtype=x.dtype)
+        mean = np.empty(n, dtype=x.dtype)
+        rstd = np.empty(n, dtype=x.dtype)
+        _cpu.layer_norm(_c(x), _c(w), _c(b), float(eps), out, mean, rstd)
+        return out, mean, rstd
+    mean = x.mean(axis=-1)
+    xc = x - mean[:, None]
+    var = np.mean(xc * xc, axis=-1)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xc *= rstd[:, None]
+    xc *= w
+    xc += b
+    return xc, mean, rstd
+
+
+def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
+                        dw: Any, db: Any) -> Any:
+    """Input gradient of :func:`layer_norm` (a new array); ``dw``, ``db`` accumulate the
+    parameter gradients in place."""
+    if _on_device(dy, x, w):
+        return _cuda().layer_norm_backward(dy, x, w, mean, rstd, dw, db)
+    n, c = x.shape
+    if _numba(dy, x, w, mean, rstd):
+        dx = np.empty(x.shape, dtype=x.dtype)
+        part = np.zeros((_cpu.chunks(n), 2, c))
+        _cpu.layer_norm_backward(_c(dy), _c(x), _c(w), _c(mean), _c(rstd), dx, dw, db, part)
+        return dx
+    xhat = x - mean[:, None]
+    xhat *= rstd[:, None]
+    dw += np.einsum("ij,ij->j", dy, xhat)
+    db += dy.sum(axis=0)
+    g = dy * w
+    m2 = np.mean(g * xhat, axis=-1, keepdims=True)
+    g -= g.mean(axis=-1, keepdims=True)
+    xhat *= m2
+    g -= xhat
+    g *= rstd[:, None]
+    return g
+
+
+# -- GELU (tanh approximation) with the bias add --------------------------------------------
+def _tanh_term(h: np.ndarray) -> np.ndarray:
+    t = h * h
+    t *= GELU_A
+    t += 1.0
+    t *= h
+    t *= GELU_C
+    np.tanh(t, out=t)
+    return t
+
+
+def bias_gelu(h: Any, b: Any | None = None) -> Any:
+    """``gelu_tanh(h + b)`` as a new array; with a bias, ``h`` is overwritten with ``h + b``
+    (the pre-activation that :func:`bias_gelu_backward` takes). ``h`` is (N, F)."""
+    if _on_device(h):
+        return _cuda().bias_gelu(h, b)
+    if _numba(h, *(() if b is None else (b,))) and h.flags.c_contiguous:
+        y = np.empty(h.shape, dtype=h.dtype)
+        k = _cpu.gelu_constants(h.dtype)
+        if b is None:
+            _cpu.gelu(h, y, k)
+        else:
+            _cpu.bias_gelu(h, _c(b), y, k)
+        return y
+    if b is not None:
+        h += b
+    y = _tanh_term(h)
+    y += 1.0
+    y *= h
+    y *= 0.5
+    return y
+
+
+def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = False) -> Any:
+    """Gradient of the pre-activation ``h`` (as left by :func:`bias_gelu`) from ``dy``;
+    ``db`` (if given) accumulates its sum over rows. With ``inplace`` the result overwrites
+    ``dy`` (which is returned)."""
+    if _on_device(h, dy):
+        return _cuda().bias_gelu_backward(h, dy, db, inplace)
+    if _numba(h, dy) and h.flags.c_contiguous and dy.flags.c_contiguous:
+        out = dy if inplace else dy.copy()
+        _cpu.gelu_backward(h, out, _cpu.gelu_constants(h.dtype))
+        if db is not None:
+            db += out.sum(axis=0)
+        return out
+    d = gelu_tanh_backward(h, _tanh_term(h), dy)
+    if db is not None:
+        db += d.sum(axis=0)
+    if inplace:
+        dy[...] = d
+        return dy
+    return d
+
+
+def gelu_tanh_backward(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """``dy * gelu_tanh'(x)`` given ``t = tanh(sqrt(2/pi) (x + 0.044715 x^3))`` (NumPy)."""
+    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
     inner = x * x
     inner *= 3.0 * GELU_A
     inner += 1.0
@@ -44,34 +297,81 @@ def _gelu_backward_numpy(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.nda
     return d
 
 
-if HAVE_NUMBA:
+# -- cross-entropy --------------------------------------------------------------------------
+def cross_entropy(z: Any, targets: Any) -> tuple[float, Any]:
+    """``(sum_i (lse_i - z[i, targets[i]]), lse)`` for logits ``z`` (N, V): the summed
+    negative log-likelihood (in float64) and each row's log-sum-exp (N,)."""
+    if _on_device(z):
+        return _cuda().cross_entropy(z, targets)
+    n = z.shape[0]
+    if _numba(z):
+        lse = np.empty(n, dtype=z.dtype)
+        total = _cpu.cross_entropy(_c(z), _c(targets).astype(np.int64, copy=False), lse)
+        return float(total), lse
+    m = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - m)
+    lse = np.log(e.sum(axis=-1)) + m[:, 0]
+    nll = lse - z[np.arange(n), targets]
+    return float(np.sum(nll, dtype=np.float64)), lse
 
-    @njit(cache=True, nogil=True)
-    def _gelu_backward_kernel(x, t, dy, out):  # pragma: no cover - compiled
-        c = GELU_C
-        a3 = 3.0 * GELU_A
-        for i in range(x.size):
-            v = x[i]
-            u = t[i]
-            out[i] = dy[i] * (0.5 * (1.0 + u) + 0.5 * v * (1.0 - u * u) * c * (1.0 + a3 * v * v))
+
+def cross_entropy_backward(z: Any, targets: Any, lse: Any, scale: float) -> Any:
+    """``scale * (softmax(z) - onehot(targets))`` as a new (N, V) array."""
+    if _on_device(z):
+        return _cuda().cross_entropy_backward(z, targets, lse, scale)
+    if _numba(z, lse):
+        out = np.empty(z.shape, dtype=z.dtype)
+        _cpu.cross_entropy_backward(_c(z), _c(targets).astype(np.int64, copy=False), _c(lse),
+                                    float(scale), out)
+        return out
+    p = z - lse[:, None]
+    np.exp(p, out=p)
+    p[np.arange(z.shape[0]), targets] -= 1.0
+    p *= scale
+    return p
 
 
-def gelu_tanh_backward(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """Input gradient of the tanh-approximate GELU given ``x``, ``t = tanh(...)`` and ``dy``."""
-    if not HAVE_NUMBA or not (x.dtype == t.dtype == dy.dtype) or x.shape != dy.shape:
-        return _gelu_backward_numpy(x, t, dy)
-    out = np.empty(x.shape, dtype=x.dtype)
-    _gelu_backward_kernel(
-        np.ascontiguousarray(x).reshape(-1),
-        np.ascontiguousarray(t).reshape(-1),
-        np.ascontiguousarray(dy).reshape(-1),
-        out.reshape(-1),
-    )
-    return out
+# -- embedding ------------------------------------------------------------------------------
+def embedding_backward(g: Any, ids: Any, dy: Any) -> None:
+    """``g[ids[i]] += dy[i]`` for every row ``i`` of ``dy`` (N, C); repeated ids add up."""
+    if _on_device(g, dy):
+        return _cuda().embedding_backward(g, ids, dy)
+    if _numba(g, dy) and g.flags.c_contiguous:
+        _cpu.embedding_backward(g, _c(ids).astype(np.int64, copy=False), _c(dy),
+                                _cpu.chunks(g.shape[1]))
+        return None
+    np.add.at(g, ids, dy)
+    return None
 
 
 def warm_up() -> None:
-    """Compile the Numba kernels of this module for float32 and float64 (fills the cache)."""
-    for dt in (np.float32, np.float64):
-        x = np.zeros(4, dtype=dt)
-        gelu_tanh_backward(x, x, x)
+    """Compile the Numba kernels for float32 and float64 (fills Numba's on-disk cache)."""
+    if not HAVE_NUMBA:
+        return
+    try:
+        for force in (False, True):
+            _cpu.FORCE_PARALLEL = force
+            _warm_up_once()
+    finally:
+        _cpu.FORCE_PARALLEL = None
+
+
+def _warm_up_once() -> None:
+    with use_kernels("numba"):
+        for dt in (np.float32, np.float64):
+            rng = np.random.default_rng(0)
+            s = rng.standard_normal((2, 3, 3)).astype(dt)
+            raw = s.copy()
+            lse = causal_softmax(s, 0.5)
+            causal_softmax_backward(raw, np.ones_like(raw), lse, 0.5)
+            x, w, b = np.ones((2, 4), dt), np.ones(4, dt), np.zeros(4, dt)
+            _, mean, rstd = layer_norm(x, w, b, 1e-5)
+            layer_norm_backward(x, x, w, mean, rstd, w.copy(), b.copy())
+            bias_gelu(x.copy(), b)
+            bias_gelu(x.copy())
+            bias_gelu_backward(x, x.copy(), b.copy(), inplace=True)
+            bias_gelu_backward(x, x)
+            ids = np.array([0, 3])
+            _, lse = cross_entropy(x, ids)
+            cross_entropy_backward(x, ids, lse, 0.5)
+            embedding_backward(x, np.array([1, 1]), x.copy())

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 
-from .fused import gelu_tanh_backward
+from . import fused as F
 from .init import fan_in_bound, init_generator
 from .module import Module
 
@@ -29,6 +29,7 @@ __all__ = [
     "Sequential",
     "Tanh",
     "check_features",
+    "float_input",
     "gelu_tanh",
 ]
 
@@ -45,7 +46,8 @@ def check_features(x: np.ndarray, n: int, who: str, what: str = "in_features") -
         raise ValueError(f"{who}: input of shape {x.shape} does not end in {what}={n}")
 
 
-def _float_input(x: object, dtype: np.dtype, who: str) -> np.ndarray:
+def float_input(x: object, dtype: np.dtype, who: str) -> np.ndarray:
+    """``x`` as an array of ``dtype``; ``ValueError`` naming ``who`` if it is not numeric."""
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"{who}: input dtype {arr.dtype} is not numeric")
@@ -85,17 +87,22 @@ class Linear(Module):
         if self.has_bias:
             self.register_parameter("bias", (self.out_features,), "zeros", 0.0)
 
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+    def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True) -> np.ndarray:
+        """``x @ weight (+ bias)``; ``add_bias=False`` leaves the bias add to the caller (a
+        fused activation), which then owes :meth:`backward` the bias gradient too."""
         w = self.param("weight")
-        x = _float_input(x, w.dtype, self.name)
+        x = float_input(x, w.dtype, self.name)
         check_features(x, self.in_features, self.name)
         y = x @ w
-        if self.has_bias:
+        if self.has_bias and add_bias:
             y += self.param("bias")
         self._save(ctx, x)
         return y
 
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+    def backward(self, dy: np.ndarray, ctx: Hashable = None, *,
+                 bias_grad: bool = True) -> np.ndarray:
+        """Input gradient; accumulates the weight gradient, and the bias gradient unless
+        ``bias_grad=False`` (the fused activation has accumulated it)."""
         x = self._take(ctx)
         w = self.param("weight")
         if dy.shape != x.shape[:-1] + (self.out_features,):
@@ -106,7 +113,7 @@ class Linear(Module):
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
         self.grad("weight")[...] += x2.T @ dy2
-        if self.has_bias:
+        if self.has_bias and bias_grad:
             self.grad("bias")[...] += dy2.sum(axis=0)
         return dy @ w.T
 
@@ -155,16 +162,8 @@ class Embedding(Module):
                 f"{self.name}: output gradient of shape {dy.shape}, expected "
                 f"{ids.shape + (self.embedding_dim,)}"
             )
-        g = self.grad("weight")
-        flat_ids = ids.reshape(-1)
-        dy2 = dy.reshape(-1, self.embedding_dim)
-        if self.num_embeddings <= 4096 and flat_ids.size >= self.num_embeddings:
-            # Small vocabulary: a one-hot matmul runs in BLAS and beats np.add.at's scatter.
-            onehot = np.zeros((self.num_embeddings, flat_ids.size), dtype=g.dtype)
-            onehot[flat_ids, np.arange(flat_ids.size)] = 1
-            g += onehot @ dy2
-        else:
-            np.add.at(g, flat_ids, dy2)
+        F.embedding_backward(self.grad("weight"), ids.reshape(-1),
+                             dy.reshape(-1, self.embedding_dim))
         return None
 
 
@@ -180,30 +179,19 @@ class LayerNorm(Module):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        x = _float_input(x, w.dtype, self.name)
+        x = float_input(x, w.dtype, self.name)
         check_features(x, self.dim, self.name, "dim")
-        mu = x.mean(axis=-1, keepdims=True)
-        xc = x - mu
-        var = np.mean(xc * xc, axis=-1, keepdims=True)
-        rstd = 1.0 / np.sqrt(var + self.eps)
-        xhat = xc
-        xhat *= rstd
-        self._save(ctx, (xhat, rstd))
-        return xhat * w + self.param("bias")
+        x2 = x.reshape(-1, self.dim)
+        out, mean, rstd = F.layer_norm(x2, w, self.param("bias"), self.eps)
+        # The input is kept (not xhat): it is alive anyway as the residual stream.
+        self._save(ctx, (x2, mean, rstd))
+        return out.reshape(x.shape)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        xhat, rstd = self._take(ctx)
-        w = self.param("weight")
-        dy2 = dy.reshape(-1, self.dim)
-        self.grad("weight")[...] += np.einsum("ij,ij->j", dy2, xhat.reshape(-1, self.dim))
-        self.grad("bias")[...] += dy2.sum(axis=0)
-        dxhat = dy * w
-        m1 = dxhat.mean(axis=-1, keepdims=True)
-        m2 = np.mean(dxhat * xhat, axis=-1, keepdims=True)
-        dx = dxhat - m1
-        dx -= xhat * m2
-        dx *= rstd
-        return dx
+        x2, mean, rstd = self._take(ctx)
+        dx = F.layer_norm_backward(dy.reshape(-1, self.dim), x2, self.param("weight"), mean,
+                                   rstd, self.grad("weight"), self.grad("bias"))
+        return dx.reshape(dy.shape)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -225,17 +213,30 @@ def gelu_tanh(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class GELU(Module):
-    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` — the GPT-2 approximation."""
+    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` — the GPT-2 approximation.
 
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+    Keeps only its input for backward (the tanh is recomputed there). With ``bias`` (the
+    preceding Linear's, see ``Linear.forward(add_bias=False)``) forward computes
+    ``gelu(x + bias)`` in one pass, overwriting ``x`` with ``x + bias``, and backward adds the
+    bias gradient into ``bias_grad``.
+    """
+
+    def forward(self, x: np.ndarray, ctx: Hashable = None, *,
+                bias: np.ndarray | None = None) -> np.ndarray:
         x = np.asarray(x)
-        y, t = gelu_tanh(x)
-        self._save(ctx, (x, t))
-        return y
+        h = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        if bias is not None and not np.shares_memory(h, x):
+            raise ValueError(f"{self.name}: a bias needs a contiguous input to add it in place")
+        y = F.bias_gelu(h, bias)
+        self._save(ctx, h)
+        return y.reshape(x.shape)
 
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x, t = self._take(ctx)
-        return gelu_tanh_backward(x, t, dy)
+    def backward(self, dy: np.ndarray, ctx: Hashable = None, *,
+                 bias_grad: np.ndarray | None = None, overwrite: bool = False) -> np.ndarray:
+        """``dy * gelu'(x)``; ``overwrite=True`` lets it reuse ``dy``'s memory."""
+        h = self._take(ctx)
+        d = F.bias_gelu_backward(h, dy.reshape(h.shape), bias_grad, inplace=overwrite)
+        return d.reshape(dy.shape)
 
 
 class ReLU(Module):

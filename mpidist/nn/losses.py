@@ -13,6 +13,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from . import fused as F
 from .module import Module
 
 __all__ = ["CrossEntropyLoss", "MSELoss"]
@@ -58,22 +59,18 @@ class CrossEntropyLoss(Module):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"target {bad} is out of range for {v} classes")
         norm = _normalizer(normalizer, targets.size)
-        z = logits.reshape(-1, v) - logits.reshape(-1, v).max(axis=-1, keepdims=True)
-        p = np.exp(z)
-        s = p.sum(axis=-1, keepdims=True)
+        z = logits.reshape(-1, v)
         t = targets.reshape(-1)
-        rows = np.arange(t.size)
-        nll = np.log(s[:, 0]) - z[rows, t]
-        p /= s
-        self._save(ctx, (p, t, norm, logits.shape))
-        return float(np.sum(nll, dtype=np.float64)) / norm
+        total, lse = F.cross_entropy(z, t)
+        # Keeps the logits (not the probabilities): backward recomputes them from the
+        # log-sum-exp, so the logits must not be changed in place before backward.
+        self._save(ctx, (z, t, lse, norm, logits.shape))
+        return total / norm
 
     def backward(self, dy: float = 1.0, ctx: Hashable = None) -> np.ndarray:  # type: ignore[override]
         """Gradient of ``dy * loss`` with respect to the logits (``dy`` defaults to 1)."""
-        p, t, norm, shape = self._take(ctx)
-        p[np.arange(t.size), t] -= 1.0
-        p *= float(dy) / norm
-        return p.reshape(shape)
+        z, t, lse, norm, shape = self._take(ctx)
+        return F.cross_entropy_backward(z, t, lse, float(dy) / norm).reshape(shape)
 
 
 class MSELoss(Module):

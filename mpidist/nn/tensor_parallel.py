@@ -35,7 +35,6 @@ call, so the layers equal the single-process ones.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -43,9 +42,9 @@ import numpy as np
 
 from mpidist import collectives as C
 
-from .attention import residual_scale, softmax_lastdim
+from .attention import causal_attention, causal_attention_backward, residual_scale
 from .init import init_value
-from .layers import GELU, Dropout, Embedding, LayerNorm, ModuleList, _float_input, check_features
+from .layers import GELU, Dropout, Embedding, LayerNorm, ModuleList, check_features, float_input
 from .models import GPTConfig, GPTEmbedding
 from .module import Module
 
@@ -302,7 +301,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        x = _float_input(x, w.dtype, self.name)
+        x = float_input(x, w.dtype, self.name)
         check_features(x, self.in_features, self.name)
         x = self.copy_in.forward(x, ctx)
         y = x @ w
@@ -350,7 +349,7 @@ class RowParallelLinear(TensorParallelModule):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        x = _float_input(x, w.dtype, self.name)
+        x = float_input(x, w.dtype, self.name)
         if self.scatter is not None:
             x = self.scatter.forward(x, ctx)
         check_features(x, self.local_in, self.name, "local in_features")
@@ -541,13 +540,6 @@ class TPCausalSelfAttention(TensorParallelModule):
         self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, comm=comm, bias=bias, groups=3)
         self.proj = RowParallelLinear(n_embd, n_embd, comm=comm, bias=bias,
                                       scale=residual_scale(n_layer))
-        self._masks: dict[tuple[int, str], np.ndarray] = {}
-
-    def _mask(self, t: int, dtype: np.dtype) -> np.ndarray:
-        key = (t, np.dtype(dtype).str)
-        if key not in self._masks:
-            self._masks[key] = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
-        return self._masks[key]
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = np.asarray(x)
@@ -555,31 +547,14 @@ class TPCausalSelfAttention(TensorParallelModule):
             raise ValueError(
                 f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"
             )
-        b, t, _ = x.shape
-        h, d = self.local_heads, self.head_dim
-        qkv = self.qkv.forward(x, ctx).reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        att = q @ k.transpose(0, 1, 3, 2)
-        att *= 1.0 / math.sqrt(d)
-        att += self._mask(t, att.dtype)
-        softmax_lastdim(att)
-        y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, self.local_embd)
-        self._save(ctx, (q, k, v, att))
+        y, saved = causal_attention(self.qkv.forward(x, ctx), self.local_heads)
+        self._save(ctx, saved)
         return self.proj.forward(y, ctx)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        q, k, v, att = self._take(ctx)
-        b, h, t, d = q.shape
-        dyh = self.proj.backward(dy, ctx).reshape(b, t, h, d).transpose(0, 2, 1, 3)
-        datt = dyh @ v.transpose(0, 1, 3, 2)
-        dv = att.transpose(0, 1, 3, 2) @ dyh
-        datt -= np.sum(datt * att, axis=-1, keepdims=True)
-        datt *= att
-        datt *= 1.0 / math.sqrt(d)
-        dq = datt @ k
-        dk = datt.transpose(0, 1, 3, 2) @ q
-        dqkv = np.stack((dq, dk, dv)).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * self.local_embd)
-        return self.qkv.backward(dqkv, ctx)
+        saved = self._take(ctx)
+        return self.qkv.backward(causal_attention_backward(self.proj.backward(dy, ctx), saved),
+                                 ctx)
 
 
 class TPFeedForward(TensorParallelModule):

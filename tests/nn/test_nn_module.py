@@ -370,19 +370,3 @@ def test_cross_entropy_value_and_default_normalizer() -> None:
     t = np.zeros((2, 3), dtype=np.int64)
     assert ce.forward(logits, t) == pytest.approx(np.log(4))
     assert ce.forward(logits, t, normalizer=12) == pytest.approx(np.log(4) / 2)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fused_gelu_backward_matches_numpy(dtype: type) -> None:
-    from mpidist.nn.fused import _gelu_backward_numpy, gelu_tanh_backward
-    from mpidist.nn.layers import gelu_tanh
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 4, 5)).astype(dtype)
-    dy = rng.standard_normal((3, 4, 5)).astype(dtype)
-    _, t = gelu_tanh(x)
-    got = gelu_tanh_backward(x, t, dy)
-    assert got.dtype == dtype and got.shape == x.shape
-    np.testing.assert_allclose(got, _gelu_backward_numpy(x, t, dy), rtol=1e-5 if
-                               dtype == np.float32 else 1e-13, atol=1e-6 if dtype == np.float32
-                               else 1e-15)

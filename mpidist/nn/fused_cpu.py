@@ -1,0 +1,411 @@
+"""Numba CPU kernels of the layers (``njit(cache=True)``), one pass per chain.
+
+Each kernel fuses a chain that NumPy runs as several passes over memory: the causal
+softmax with scale and mask (and its backward, which recomputes the probabilities from the
+saved log-sum-exp), layer norm, GELU with the bias add folded in, cross-entropy with its
+log-softmax, and the embedding's scatter-add. Rows are independent, so the outer loop is a
+``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial row per
+chunk of rows, added up at the end in a fixed order, so a result does not depend on the
+threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``.
+The serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
+thread: every parallel launch must wake the pool's threads, and next to NumPy's BLAS threads
+(a second pool) that cost more than it saved wherever the cores were shared (with 2 threads
+on 2 busy cores a GPT step took 1.6x as long with parallel kernels as with serial ones).
+Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
+memory they use is visible to the caller.
+
+In float32, ``exp`` (softmax, cross-entropy) is a polynomial with an exponent bit-cast
+(about 1 ulp) and ``tanh`` (GELU) a rational function (within 5 ulps, exactly +-1 from
+|x| = 9): no libm call, so the loops vectorise. float64 calls libm (``exp``, ``expm1``),
+accurate to round-off. Not collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types as pytypes
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic, overload
+
+__all__ = [
+    "bias_gelu",
+    "chunks",
+    "gelu",
+    "gelu_constants",
+    "kernel",
+    "exp_fast",
+    "tanh_fast",
+    "gelu_backward",
+    "causal_softmax",
+    "causal_softmax_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "embedding_backward",
+    "layer_norm",
+    "layer_norm_backward",
+]
+
+# Reassociation lets LLVM vectorise the row reductions; no nnan/ninf, so infinities and NaNs
+# keep their IEEE meaning.
+_FM = {"nsz", "arcp", "contract", "reassoc"}
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+# tanh(x) = x P(x^2) / Q(x^2) on [-7.9, 7.9] (the rational form of Eigen and XLA's fast
+# float tanh), within 5 float32 ulps of tanh.
+_T_CLAMP = np.float32(7.90531110763549805)
+_T_ONE = np.float32(9.0)
+_ONE = np.float32(1.0)
+_A1, _A3, _A5 = np.float32(4.89352455891786e-03), np.float32(6.37261928875436e-04), np.float32(
+    1.48572235717979e-05)
+_A7, _A9 = np.float32(5.12229709037114e-08), np.float32(-8.60467152213735e-11)
+_A11, _A13 = np.float32(2.00018790482477e-13), np.float32(-2.76076847742355e-16)
+_B0, _B2 = np.float32(4.89352518554385e-03), np.float32(2.26843463243900e-03)
+_B4, _B6 = np.float32(1.18534705686654e-04), np.float32(1.19825839466702e-06)
+
+
+def tanh_fast(x):  # pragma: no cover - replaced by the overload below in compiled code
+    """``tanh`` for compiled code: rational in float32, ``expm1``-based in float64."""
+    return math.tanh(x)
+
+
+@overload(tanh_fast, jit_options={"fastmath": _FM, "error_model": "numpy"})
+def _tanh_fast_impl(x):  # pragma: no cover - compiled
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+
+        def impl32(x):
+            v = min(max(x, -_T_CLAMP), _T_CLAMP)
+            v2 = v * v
+            p = v2 * _A13 + _A11
+            p = p * v2 + _A9
+            p = p * v2 + _A7
+            p = p * v2 + _A5
+            p = p * v2 + _A3
+            p = p * v2 + _A1
+            q = v2 * _B6 + _B4
+            q = q * v2 + _B2
+            q = q * v2 + _B0
+            # From |x| = 9 on, float32 tanh rounds to +-1: return it exactly, so that
+            # 1 - t^2 (GELU's derivative) is 0 there, as with NumPy.
+            return v * p / q if abs(x) < _T_ONE else (_ONE if x > 0 else -_ONE)
+
+        return impl32
+
+    def impl64(x):
+        e = math.expm1(-2.0 * abs(x))
+        t = -e / (2.0 + e)
+        return t if x >= 0 else -t
+
+    return impl64
+
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):  # pragma: no cover - compiled
+    """The float32 whose bit pattern is the int32 ``bits`` (an LLVM bitcast)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+def exp_fast(x):  # pragma: no cover - replaced by the overload below in compiled code
+    """``exp`` for compiled code: a vectorisable polynomial in float32 (about 1 ulp, inputs
+    clamped to [-87.3, 88.3]), ``math.exp`` in float64."""
+    return math.exp(x)
+
+
+_E_LO, _E_HI = np.float32(-87.3), np.float32(88.3)
+_LOG2E, _HALF = np.float32(1.4426950408889634), np.float32(0.5)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(
+    8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(
+    5.0000001201e-1)
+
+
+@overload(exp_fast, jit_options={"fastmath": _FM, "error_model": "numpy"})
+def _exp_fast_impl(x):  # pragma: no cover - compiled
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+
+        def impl32(x):
+            # Cephes expf: exp(x) = 2^k exp(r), r = x - k ln2 in [-ln2/2, ln2/2].
+            v = min(max(x, _E_LO), _E_HI)
+            k = np.floor(v * _LOG2E + _HALF)
+            r = v - k * _LN2_HI - k * _LN2_LO
+            p = _P0 * r + _P1
+            p = p * r + _P2
+            p = p * r + _P3
+            p = p * r + _P4
+            p = p * r + _P5
+            p = p * r * r + r + _ONE
+            return p * _f32_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+
+        return impl32
+
+    def impl64(x):
+        return math.exp(x)
+
+    return impl64
+
+
+class _Kernel:
+    """A kernel compiled serial and parallel (each with its own cache entry); a call runs
+    the parallel one only when Numba has more than one thread."""
+
+    def __init__(self, fn: Callable[..., Any], fastmath: Any) -> None:
+        opts = {"cache": True, "error_model": "numpy", "fastmath": fastmath}
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+        self.serial = njit(**opts)(fn)
+        # A copy under another qualified name, so the two compilations do not share an
+        # entry in Numba's on-disk cache.
+        par = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_parallel",
+                                   fn.__defaults__, fn.__closure__)
+        par.__qualname__ = fn.__qualname__ + "_parallel"
+        self.parallel = njit(parallel=True, **opts)(par)
+
+    def __call__(self, *args: Any) -> Any:
+        if FORCE_PARALLEL is None:
+            use_parallel = PARALLEL and numba.get_num_threads() > 1
+        else:
+            use_parallel = FORCE_PARALLEL
+        return (self.parallel if use_parallel else self.serial)(*args)
+
+
+#: Whether the parallel kernels may run (``MPIDIST_NN_PARALLEL=1``; then only when Numba has
+#: more than one thread).
+PARALLEL = os.environ.get("MPIDIST_NN_PARALLEL", "0") == "1"
+#: ``None``: as :data:`PARALLEL` says; ``True``/``False``: always or never (``warm_up``
+#: compiles both).
+FORCE_PARALLEL: bool | None = None
+
+
+def kernel(fastmath: Any = _FM) -> Callable[[Callable[..., Any]], _Kernel]:
+    """Decorator: :class:`_Kernel` of the function."""
+    return lambda fn: _Kernel(fn, fastmath)
+
+
+def chunks(n: int) -> int:
+    """Number of row chunks for partial column sums: one per Numba thread, at most ``n``."""
+    return max(1, min(n, numba.get_num_threads()))
+
+
+# -- causal softmax -------------------------------------------------------------------------
+@kernel()
+def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
+    """In place on ``s`` (R, T, T): row i of each matrix becomes softmax(scale * s[:i+1])
+    followed by zeros; ``lse`` (R, T) receives each row's log-sum-exp of the scaled row."""
+    nmat, t = s.shape[0], s.shape[1]
+    for r in prange(nmat):
+        for i in range(t):
+            row = s[r, i]
+            m = row[0]
+            for j in range(1, i + 1):
+                m = max(m, row[j])
+            ms = m * scale
+            acc = 0.0
+            for j in range(i + 1):
+                e = exp_fast(row[j] * scale - ms)
+                row[j] = e
+                acc += e
+            inv = 1.0 / acc
+            for j in range(i + 1):
+                row[j] *= inv
+            for j in range(i + 1, t):
+                row[j] = 0.0
+            lse[r, i] = ms + math.log(acc)
+
+
+@kernel()
+def causal_softmax_backward(s, dp, lse, scale):  # pragma: no cover - compiled
+    """From the raw scores ``s`` and ``dp = dL/dP``: ``s`` becomes P (recomputed from
+    ``lse``) and ``dp`` becomes ``scale * P * (dp - rowsum(P * dp))``, the gradient of the
+    unscaled scores; entries above the diagonal become 0 in both."""
+    nmat, t = s.shape[0], s.shape[1]
+    for r in prange(nmat):
+        for i in range(t):
+            srow = s[r, i]
+            drow = dp[r, i]
+            c = lse[r, i]
+            dot = 0.0
+            for j in range(i + 1):
+                p = exp_fast(srow[j] * scale - c)
+                srow[j] = p
+                dot += p * drow[j]
+            for j in range(i + 1):
+                drow[j] = scale * srow[j] * (drow[j] - dot)
+            for j in range(i + 1, t):
+                srow[j] = 0.0
+                drow[j] = 0.0
+
+
+# -- layer norm -----------------------------------------------------------------------------
+@kernel()
+def layer_norm(x, w, b, eps, out, mean, rstd):  # pragma: no cover - compiled
+    """``out = (x - mean) * rstd * w + b`` over the rows of ``x`` (N, C); saves mean, rstd."""
+    n, c = x.shape
+    for i in prange(n):
+        row = x[i]
+        acc = 0.0
+        for j in range(c):
+            acc += row[j]
+        mu = acc / c
+        var = 0.0
+        for j in range(c):
+            d = row[j] - mu
+            var += d * d
+        rs = 1.0 / math.sqrt(var / c + eps)
+        o = out[i]
+        for j in range(c):
+            o[j] = (row[j] - mu) * rs * w[j] + b[j]
+        mean[i] = mu
+        rstd[i] = rs
+
+
+@kernel()
+def layer_norm_backward(dy, x, w, mean, rstd, dx, dw, db, part):  # pragma: no cover
+    """``dx`` from ``dy``; ``dw += sum(dy * xhat)``, ``db += sum(dy)`` over rows. ``part``
+    (chunks, 2, C) holds zeros on entry (one partial row per chunk of rows)."""
+    n, c = x.shape
+    nch = part.shape[0]
+    for k in prange(nch):
+        pw = part[k, 0]
+        pb = part[k, 1]
+        for i in range(k * n // nch, (k + 1) * n // nch):
+            mu = mean[i]
+            rs = rstd[i]
+            xr = x[i]
+            g = dy[i]
+            m1 = 0.0
+            m2 = 0.0
+            for j in range(c):
+                xh = (xr[j] - mu) * rs
+                gj = g[j]
+                pw[j] += gj * xh
+                pb[j] += gj
+                gw = gj * w[j]
+                m1 += gw
+                m2 += gw * xh
+            m1 /= c
+            m2 /= c
+            d = dx[i]
+            for j in range(c):
+                xh = (xr[j] - mu) * rs
+                d[j] = (g[j] * w[j] - m1 - xh * m2) * rs
+    for k in range(nch):
+        for j in range(c):
+            dw[j] += part[k, 0, j]
+            db[j] += part[k, 1, j]
+
+
+# -- GELU with the bias add -----------------------------------------------------------------
+def gelu_constants(dtype: np.dtype) -> np.ndarray:
+    """``[c, a, 3a, 0.5, 1]`` in ``dtype``: read from an array, they keep float32 kernels in
+    float32 (a Python float literal would promote every operation to float64)."""
+    return np.array([GELU_C, GELU_A, 3.0 * GELU_A, 0.5, 1.0], dtype=dtype)
+
+
+@kernel()
+def gelu(x, y, k):  # pragma: no cover - compiled
+    """``y = gelu_tanh(x)``; ``k`` is :func:`gelu_constants` of the dtype."""
+    n, f = x.shape
+    c, a, half, one = k[0], k[1], k[3], k[4]
+    for i in prange(n):
+        xr = x[i]
+        yr = y[i]
+        for j in range(f):
+            v = xr[j]
+            t = tanh_fast(c * (v + a * v * v * v))
+            yr[j] = half * v * (one + t)
+
+
+@kernel()
+def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
+    """``h += b`` in place (the pre-activation, kept for backward), ``y = gelu_tanh(h)``;
+    ``k`` is :func:`gelu_constants` of the dtype."""
+    n, f = h.shape
+    c, a, half, one = k[0], k[1], k[3], k[4]
+    for i in prange(n):
+        hr = h[i]
+        yr = y[i]
+        for j in range(f):
+            v = hr[j] + b[j]
+            hr[j] = v
+            t = tanh_fast(c * (v + a * v * v * v))
+            yr[j] = half * v * (one + t)
+
+
+@kernel()
+def gelu_backward(h, dy, k):  # pragma: no cover - compiled
+    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place (the tanh recomputed from ``h``);
+    ``k`` is :func:`gelu_constants`. The bias gradient, a column sum, is left to the caller:
+    accumulating it here costs more than a separate pass."""
+    n, f = h.shape
+    c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
+    for i in prange(n):
+        hr = h[i]
+        g = dy[i]
+        for j in range(f):
+            v = hr[j]
+            t = tanh_fast(c * (v + a * v * v * v))
+            g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
+
+
+# -- cross-entropy --------------------------------------------------------------------------
+@kernel()
+def cross_entropy(z, targets, lse):  # pragma: no cover - compiled
+    """Sum over rows of ``lse - z[target]`` (float64); ``lse`` (N,) receives each row's
+    log-sum-exp."""
+    n, v = z.shape
+    total = 0.0
+    for i in prange(n):
+        row = z[i]
+        m = row[0]
+        for j in range(1, v):
+            m = max(m, row[j])
+        acc = 0.0
+        for j in range(v):
+            acc += exp_fast(row[j] - m)
+        c = m + math.log(acc)
+        lse[i] = c
+        total += c - row[targets[i]]
+    return total
+
+
+@kernel()
+def cross_entropy_backward(z, targets, lse, scale, out):  # pragma: no cover - compiled
+    """``out = scale * (softmax(z) - onehot(targets))`` from the saved log-sum-exp."""
+    n, v = z.shape
+    for i in prange(n):
+        row = z[i]
+        o = out[i]
+        c = lse[i]
+        for j in range(v):
+            o[j] = scale * exp_fast(row[j] - c)
+        o[targets[i]] -= scale
+
+
+# -- embedding ------------------------------------------------------------------------------
+@kernel(fastmath=False)
+def embedding_backward(g, ids, dy, nch):  # pragma: no cover - compiled
+    """``g[ids[i]] += dy[i]`` for every row i, in row order (repeated ids accumulate).
+    Threads split the columns into ``nch`` blocks, so no two write the same element."""
+    n, c = dy.shape
+    for k in prange(nch):
+        lo = k * c // nch
+        hi = (k + 1) * c // nch
+        for i in range(n):
+            gr = g[ids[i]]
+            dr = dy[i]
+            for j in range(lo, hi):
+                gr[j] += dr[j]
