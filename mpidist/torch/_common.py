@@ -37,18 +37,18 @@ REDUCIBLE = (torch.float32, torch.float64)
 
 def overlap() -> bool:
     """Whether the wrappers overlap communication with computation through nonblocking MPI
-    collectives (DDP's early buckets, fully_shard's prefetched gathers and in-flight
-    reduce-scatters), from ``MPIDIST_TORCH_OVERLAP`` (default on: ``1``; ``0`` runs every
-    collective blocking where it is needed).
+    collectives (DDP's early buckets started while backward continues, fully_shard's
+    prefetched gathers and in-flight reduce-scatters), from ``MPIDIST_TORCH_OVERLAP``
+    (``1``: overlap; default ``0``: each collective runs blocking where it is needed).
 
     Open MPI advances a nonblocking collective only inside MPI calls unless it has an
     asynchronous progress thread, and its nonblocking algorithms are slower than the blocking
-    ones: where no core is free to hide them, blocking collectives are faster.
-    Not collective; every rank must see the same value.
+    ones: where no core is free to hide them, blocking collectives are faster (measured in
+    ``benchmarks/vs_torch.py``). Not collective; every rank must see the same value.
     """
     import os
 
-    value = os.environ.get("MPIDIST_TORCH_OVERLAP", "1").strip().lower()
+    value = os.environ.get("MPIDIST_TORCH_OVERLAP", "0").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"MPIDIST_TORCH_OVERLAP={value!r} must be 0 or 1")
     return value in ("1", "true", "yes", "on")

@@ -6,7 +6,9 @@ flat tensor; buckets are filled in reverse registration order, the first one sma
 communication starts early) and makes ``param.grad`` a view of its slot, so later
 accumulation happens in the bucket itself. A full bucket is divided by the world size and
 summed with a nonblocking MPI allreduce while backward continues (the buckets start in
-index order on every rank); the remaining hooks drive MPI's progress. At the end of
+index order on every rank; ``MPIDIST_TORCH_OVERLAP=1``, else each full bucket is reduced at
+once with a blocking allreduce, faster where no core is free to hide it); the remaining
+hooks drive MPI's progress. At the end of
 backward (an autograd final callback) every allreduce is waited for: when
 ``loss.backward()`` returns, every ``param.grad`` holds the average over ranks, exactly as
 torch's DDP leaves it.

@@ -9,9 +9,10 @@ copy.
 
 Per iteration, for each unit:
 
-* before its forward the unit's full parameters are all-gathered into one flat tensor (the
-  next unit's gather is started early, in the order recorded in the first iteration) and
-  its module's parameters are swapped to views of it;
+* before its forward the unit's full parameters are all-gathered into one flat tensor (with
+  ``MPIDIST_TORCH_OVERLAP=1`` the next unit's gather is started early, in the order
+  recorded in the first iteration, and reduce-scatters stay in flight while backward goes
+  on) and its module's parameters are swapped to views of it;
 * after its forward (``reshard_after_forward``, except for the root unit) the storage of
   that flat tensor is freed (``untyped_storage().resize_(0)``) and the shards swapped back;
   the tensors autograd saved still point at the storage;
