@@ -32,6 +32,7 @@ from mpidist import collectives as C
 from mpidist.buffers import ShardedLayout
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.parallel.config import ShardingConfiguration
+from mpidist.parallel.loop import run_steps
 
 __all__ = ["OptimizationResult", "ReplicatedParameters", "ShardedModel", "ShardedOptimizer"]
 
@@ -546,17 +547,19 @@ class ShardedOptimizer:
             self._data_state = None
         self.sampler = sampler
         result = OptimizationResult()
+
+        class _Record:
+            def after_step(self, model: Any, rec: Any) -> None:
+                result.losses.append(rec.loss)
+                result.steps += 1
+                result.samples += rec.samples
+                result.tokens += rec.tokens
+                if callback is not None:
+                    callback(rec.step, rec.loss)
+
         t0 = time.perf_counter()
-        for _ in range(steps):
-            idx = sampler.next_local(model.dp_rank, model.dp_size)
-            x, y = data.batch(idx)
-            loss = self.step(model, (x, y))
-            result.losses.append(loss)
-            result.steps += 1
-            result.samples += len(idx) * model.dp_size
-            result.tokens += int(np.asarray(y).size) * model.dp_size
-            if callback is not None:
-                callback(self.step_count, loss)
+        run_steps(self, model, data, until=self.step_count + int(steps), sampler=sampler,
+                  hooks=[_Record()])
         result.seconds = time.perf_counter() - t0
         return result
 
