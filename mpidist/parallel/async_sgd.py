@@ -16,6 +16,7 @@ from mpidist.parallel.metered import MeteredModel, MeteredOptimizer, check_int
 
 __all__ = ["AsyncSGDModel", "AsyncSGDOptimizer"]
 
+
 class AsyncSGDModel(MeteredModel):
     """A DDP model whose backward does not synchronise; the optimizer exchanges copies."""
 
@@ -64,6 +65,7 @@ class AsyncSGDOptimizer(MeteredOptimizer):
         self.staleness = check_int("AsyncSGDOptimizer", "staleness", staleness, 0)
         super().__init__(base, config, loss=loss, lr_schedule=lr_schedule)
         self._pool: list[np.ndarray] = []
+        self._incoming_list: list[np.ndarray] | None = None
         self.applied = 0
 
     def attach(self, model: ShardedModel) -> None:
@@ -125,6 +127,47 @@ class AsyncSGDOptimizer(MeteredOptimizer):
         """:meth:`flush`, then the state dict (collective over dp)."""
         self.flush()
         return super().state_dict()
+
+    # -- the in-flight gradients in checkpoints --------------------------------------------
+    state_kind = "async_sgd"
+
+    def strategy_state_attrs(self) -> dict[str, Any]:
+        """Completes the in-flight exchanges (without applying them, so the trajectory is
+        unchanged) and records how many there are. Collective over dp."""
+        model = self._require_model()
+        for chain, _ in model.inflight:
+            chain.wait()
+        return {"kind": self.state_kind, "in_flight": len(model.inflight)}
+
+    def strategy_state_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each in-flight summed gradient as named global tensors (the same on every rank,
+        so they resume at any world size)."""
+        model = self._require_model()
+        k = self._loading["in_flight"] if self._loading is not None else len(model.inflight)
+        dtype = np.dtype(model.dtype).name
+        return {f"strategy/async_sgd/{i}/{n}": (shape, dtype) for i in range(k)
+                for n, shape in model.tensor_shapes().items()}
+
+    def strategy_state_pieces(self, *, for_writing: bool) -> list[tuple[str, slice, np.ndarray]]:
+        model = self._require_model()
+        bufs = [b for _, b in model.inflight] if for_writing else (self._incoming_list or [])
+        return [(f"strategy/async_sgd/{i}/{n}", sl, arr) for i, buf in enumerate(bufs)
+                for n, sl, arr in model.tensor_pieces(buf, sharded=False, owned=for_writing)]
+
+    def prepare_strategy_state(self, attrs: dict[str, Any] | None) -> bool:
+        self._loading, self._incoming_list = None, None
+        if not attrs or attrs.get("kind") != self.state_kind:
+            return False
+        model = self._require_model()
+        self._loading = attrs
+        self._incoming_list = [np.zeros_like(model.grads) for _ in range(attrs["in_flight"])]
+        return True
+
+    def finish_strategy_state(self) -> None:
+        model = self._require_model()
+        bufs, self._incoming_list, self._loading = self._incoming_list, None, None
+        if bufs is not None:
+            model.inflight = deque((RequestChain([], None), b) for b in bufs)
 
     def _extra_memory(self) -> dict[str, int]:
         model = self.model

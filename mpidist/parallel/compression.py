@@ -18,6 +18,7 @@ METHODS = ("none", "fp16", "bf16", "topk", "powersgd")
 
 __all__ = ["METHODS", "GradientCompressionModel", "GradientCompressionOptimizer"]
 
+
 class GradientCompressionModel(MeteredModel):
     """DDP's bucketed, overlapped gradient exchange with each bucket compressed.
 
@@ -204,6 +205,22 @@ class GradientCompressionOptimizer(MeteredOptimizer):
                                          ratio=self.ratio, rank=self.rank)
         self.attach(model)
         return model
+
+    @property
+    def state_kind(self) -> str:  # type: ignore[override]
+        return f"compression_{self.method}"
+
+    def rank_state_arrays(self) -> list[np.ndarray]:
+        """Error-feedback residuals (this rank's unsent gradient) and PowerSGD's warm-start
+        factors, per bucket."""
+        model = self.model
+        if model is None:
+            return []
+        out = []
+        for c in getattr(model, "codecs", ()):
+            out.append(c.residual)
+            out.extend(getattr(c, "qs", ()))
+        return out
 
     @property
     def compression_ratio(self) -> float:

@@ -14,6 +14,7 @@ from mpidist.parallel.metered import MeteredModel, MeteredOptimizer, check_int
 
 __all__ = ["LocalSGDModel", "LocalSGDOptimizer"]
 
+
 class LocalSGDModel(MeteredModel):
     """Replicas that train on their own gradients; backward never synchronises."""
 
@@ -113,6 +114,15 @@ class LocalSGDOptimizer(MeteredOptimizer):
                 pos += b.size
         model.dense_bytes += sum(b.nbytes for b in bufs)
         self.averages += 1
+
+    state_kind = "local_sgd"
+
+    def rank_state_arrays(self) -> list[np.ndarray]:
+        """This replica's parameters and optimizer state: between averages they differ
+        from rank to rank, so a checkpoint keeps every replica to resume exactly."""
+        model = self._require_model()
+        assert self.state is not None
+        return [model.params] + [b for _, b in sorted(self.state.buffers.items())]
 
     def state_dict(self) -> dict[str, Any]:
         """The replica average (parameters, and state if averaged) as a state dict.

@@ -54,6 +54,8 @@ class MeteredOptimizer(ShardedOptimizer):
         super().__init__(*args, **kwargs)
         self.bytes_sent_last_step = 0
         self._bytes_before = 0
+        self._loading: dict[str, Any] | None = None
+        self._incoming: np.ndarray | None = None
 
     @property
     def bytes_sent(self) -> int:
@@ -85,6 +87,76 @@ class MeteredOptimizer(ShardedOptimizer):
 
     def _extra_memory(self) -> dict[str, int]:
         return {}
+
+    # -- strategy state in checkpoints (see mpidist.checkpoint.training) --------------------
+    #: name of this strategy's per-rank state in checkpoints: ``strategy/<state_kind>``
+    state_kind = "none"
+
+    def rank_state_arrays(self) -> list[np.ndarray]:
+        """This rank's own strategy state (not shared with other ranks), in a fixed order."""
+        return []
+
+    def strategy_state_attrs(self) -> dict[str, Any]:
+        """What the checkpoint records about the strategy state (JSON). Not collective."""
+        arrays = self.rank_state_arrays()
+        if not arrays:
+            return {}
+        model = self._require_model()
+        return {"kind": self.state_kind, "dp": model.dp_size,
+                "numel": int(sum(a.size for a in arrays))}
+
+    def strategy_state_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The global tensors of the strategy state: one row per dp rank."""
+        attrs = self._loading if self._loading is not None else self.strategy_state_attrs()
+        if not attrs:
+            return {}
+        model = self._require_model()
+        return {f"strategy/{self.state_kind}": ((attrs["dp"], attrs["numel"]),
+                                                np.dtype(model.dtype).name)}
+
+    def strategy_state_pieces(self, *, for_writing: bool) -> list[tuple[str, slice, np.ndarray]]:
+        """This rank's row: its state to write, or the buffer it is read into."""
+        if for_writing:
+            arrays = self.rank_state_arrays()
+            data = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else None
+        else:
+            data = self._incoming
+        if data is None:
+            return []
+        r, n = self._require_model().dp_rank, data.size
+        return [(f"strategy/{self.state_kind}", slice(r * n, (r + 1) * n), data)]
+
+    def prepare_strategy_state(self, attrs: dict[str, Any] | None) -> bool:
+        """Before loading: check the checkpoint's strategy state ``attrs`` against this run
+        and make the buffers it is read into. Returns whether to read it (False when the
+        checkpoint has none of this kind: the state then starts fresh). Not collective;
+        raises the same ValueError on every rank when the state cannot be resumed here."""
+        self._loading, self._incoming = None, None
+        mine = self.strategy_state_attrs()
+        if not attrs or not mine or attrs.get("kind") != self.state_kind:
+            return False
+        if attrs["dp"] != mine["dp"] or attrs["numel"] != mine["numel"]:
+            raise ValueError(
+                f"the checkpoint holds per-rank {self.state_kind} state of {attrs['dp']} "
+                f"data-parallel ranks ({attrs['numel']} elements each), which continues "
+                f"exactly only on {attrs['dp']} ranks with the same settings; this run has "
+                f"{mine['dp']} ranks ({mine['numel']} elements). Resume on {attrs['dp']} "
+                "ranks, or with another strategy (e.g. --strategy ddp), which starts the "
+                "state afresh"
+            )
+        self._loading = attrs
+        self._incoming = np.empty(attrs["numel"], dtype=self._require_model().dtype)
+        return True
+
+    def finish_strategy_state(self) -> None:
+        """After loading: move the state read into place. Not collective."""
+        data, self._incoming, self._loading = self._incoming, None, None
+        if data is None:
+            return
+        pos = 0
+        for a in self.rank_state_arrays():
+            a.reshape(-1)[:] = data[pos:pos + a.size]
+            pos += a.size
 
     def _local_gradients(self, model: ShardedModel, x: Any, y: Any,
                          progress: Callable[[], None] | None = None) -> float:
