@@ -616,7 +616,7 @@ def save_checkpoint(
     Returns:
         ``path`` as a string.
     """
-    from mpidist import __version__
+    from mpidist._version import __version__
 
     size, rank = _size_rank(comm)
     path = os.fspath(path)

@@ -37,7 +37,7 @@ from mpidist.buffers import ShardedLayout
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, ZeRO1Model
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, _units_of
+from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, units_of
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule, partition_units
 from mpidist.parallel.zero import ZeRO2Model
 
@@ -132,7 +132,7 @@ class HybridModel(ShardedModel):
         self.pp_size, self.dp_size, self.tp_size = shape.pp, shape.dp, shape.tp
         if balance not in BALANCES:
             raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
-        global_units = _units_of(module)
+        global_units = units_of(module)
         self.units = global_units
         self._check_units()
         if self.tp_size > 1:
@@ -187,7 +187,7 @@ class HybridModel(ShardedModel):
         else:
             self.local_module = module
         a, b = self.bounds[self.stage]
-        self.units = _units_of(self.local_module)[a:b]
+        self.units = units_of(self.local_module)[a:b]
         self.partitions = {n: v for n, v in tp_partitions(self.local_module).items()
                            if n in set(self.stage_names[self.stage])}
         self.layout = ShardedLayout(

@@ -27,7 +27,7 @@ from mpidist.parallel.engine import (
     ReplicatedParameters,
     ShardedModel,
     ShardedOptimizer,
-    _has_units,
+    has_units,
 )
 
 __all__ = [
@@ -147,7 +147,7 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
     shards_params = True
 
     def _allocate(self) -> None:
-        if not _has_units(self.module):
+        if not has_units(self.module):
             raise ValueError(
                 f"ZeRO-3 needs a model made of units (a .units list of 2 or more); "
                 f"{type(self.module).__name__} has none"
