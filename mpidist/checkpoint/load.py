@@ -162,112 +162,144 @@ def read_pieces(
     own = comm.Dup() if size > 1 else None
     try:
         # 1. rank 0 reads and checks the header; everyone gets it (or its error).
-        header = failure = None
-        if rank == 0:
-            with capture_failure() as box:
-                # Rank 0 decides the I/O mode for everyone: ranks that disagreed would
-                # mix collective and independent opens and hang.
-                mode = io_mode(comm, serial)
-                if os.path.isdir(path):
-                    found = latest_checkpoint(path)
-                    if found is None:
-                        raise CheckpointError(f"no checkpoint in directory {path!r}")
-                    path = found
-                meta, infos, sums, offsets = read_header_offsets(path)
-                header = (path, meta, infos, sums, mode)
-                if expected is not None:
-                    exp = as_tensor_infos(expected)
-                    msg = compare_tensors(header[2], exp, strict=strict)
-                    if msg is not None:
-                        raise CheckpointMismatchError(f"{path!r}: {msg}")
-            failure = first_failure(box)
-        if own is not None:
-            header, failure = own.bcast((header, failure and (failure.cls.__name__,
-                                                                str(failure))), root=0)
-            if failure is not None:
-                raise ERRORS.get(failure[0], CheckpointError)(failure[1])
-        elif failure is not None:
-            raise failure.cls(str(failure))
-        path, meta, infos, sums, mode = header
+        path, meta, infos, sums, mode, offsets = _agree_on_header(
+            path, comm, own, rank, expected, strict, serial)
         names = list(infos)
-        index = {n: t for t, n in enumerate(names)}
-        if rank != 0:
-            offsets = np.empty(len(names), dtype=np.int64)
-        if own is not None:
-            own.Bcast(offsets, root=0)
 
         # 2. every rank checks its own requests; agree.
         with capture_failure() as box:
             reqs = [as_piece(q) for q in requests]
-            rows = np.empty((len(reqs), 3), dtype=np.int64)
-            for k, q in enumerate(reqs):
-                if q.name not in infos:
-                    raise CheckpointMismatchError(
-                        f"request for tensor {q.name!r}, which {path!r} does not hold")
-                info = infos[q.name]
-                a, b = check_flat(q.name, q.flat, info.numel)
-                out = q.data
-                if (not isinstance(out, np.ndarray) or out.ndim != 1
-                        or not out.flags.c_contiguous or not out.flags.writeable):
-                    raise ValueError(f"request for {q.name!r}: out must be a writable, "
-                                     "contiguous 1-D numpy array")
-                if out.shape[0] != b - a:
-                    raise ValueError(f"request for {q.name!r}: out has {out.shape[0]} "
-                                     f"elements for range [{a}, {b})")
-                if out.dtype.name != info.dtype:
-                    raise ValueError(f"request for {q.name!r}: out dtype {out.dtype} differs "
-                                     f"from the stored {info.dtype}")
-                rows[k] = (index[q.name], a, b)
+            rows = _request_rows(reqs, infos, {n: t for t, n in enumerate(names)}, path)
         agree(own, first_failure(box))
 
         # 3. read, and sum what this rank is responsible for.
         reqs_of = own.allgather(rows) if (own is not None and verify) else [rows]
-        part = np.zeros((len(names), 2), dtype=np.uint64)
-        with capture_failure(CorruptCheckpointError) as box:
-            f = Reader(path, mode, own, names, infos, offsets)
-        agree(own, first_failure(box))
-        try:
-            with capture_failure(CorruptCheckpointError) as box:
-                # File order, so each rank's reads move forward through the file.
-                order = sorted(range(len(reqs)),
-                               key=lambda k: (int(offsets[rows[k, 0]]), int(rows[k, 1])))
-                for k in order:
-                    if reqs[k].data.shape[0]:
-                        f.read(int(rows[k, 0]), int(rows[k, 1]), reqs[k].data)
-                if verify:
-                    owned, extra = verify_plan(reqs_of, [infos[n].numel for n in names],
-                                                size, rank)
-                    for k, lo, hi in owned:
-                        t, a = int(rows[k, 0]), int(rows[k, 1])
-                        part[t] = checksum_update((int(part[t, 0]), int(part[t, 1])),
-                                                  reqs[k].data[lo - a:hi - a], lo)
-                    for t, lo, hi in extra:
-                        part[t] = sum_range(f, t, lo, hi, infos[names[t]].dtype,
-                                             (int(part[t, 0]), int(part[t, 1])))
-        finally:
-            with capture_failure(CorruptCheckpointError) as close_box:
-                f.close()
-        agree(own, first_failure(box) or first_failure(close_box))
+        part = _read_and_sum(path, mode, own, names, infos, offsets, reqs, rows,
+                             reqs_of if verify else None, size, rank)
 
         # 4. combine and compare the checksums; the verdict is the same on every rank.
         if verify:
-            if own is not None:
-                from mpi4py import MPI
-
-                own.Allreduce(MPI.IN_PLACE, [part, MPI.UINT64_T], op=MPI.SUM)
-            checked = sorted({int(t) for rs in reqs_of for t in rs[:, 0]})
-            bad = [names[t] for t in checked
-                   if (int(part[t, 0]), int(part[t, 1])) != sums[names[t]]]
-            if bad:
-                more = f" ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {path!r} for dataset(s) {bad[:10]}{more}: the data "
-                    "on disk is not what was saved"
-                )
+            _compare_sums(path, part, own, reqs_of, names, sums)
         return meta
     finally:
         if own is not None:
             own.Free()
+
+
+def _agree_on_header(path: str, comm: Any, own: Any, rank: int, expected: Any, strict: bool,
+                     serial: bool | None) -> tuple[Any, ...]:
+    """Rank 0 reads and checks the header and decides the I/O mode; every rank gets
+    ``(path, meta, infos, sums, mode, offsets)`` or the same error. Collective over ``own``."""
+    header = failure = None
+    if rank == 0:
+        with capture_failure() as box:
+            # Rank 0 decides the I/O mode for everyone: ranks that disagreed would
+            # mix collective and independent opens and hang.
+            mode = io_mode(comm, serial)
+            if os.path.isdir(path):
+                found = latest_checkpoint(path)
+                if found is None:
+                    raise CheckpointError(f"no checkpoint in directory {path!r}")
+                path = found
+            meta, infos, sums, offsets = read_header_offsets(path)
+            header = (path, meta, infos, sums, mode)
+            if expected is not None:
+                exp = as_tensor_infos(expected)
+                msg = compare_tensors(header[2], exp, strict=strict)
+                if msg is not None:
+                    raise CheckpointMismatchError(f"{path!r}: {msg}")
+        failure = first_failure(box)
+    if own is not None:
+        header, failure = own.bcast((header, failure and (failure.cls.__name__,
+                                                            str(failure))), root=0)
+        if failure is not None:
+            raise ERRORS.get(failure[0], CheckpointError)(failure[1])
+    elif failure is not None:
+        raise failure.cls(str(failure))
+    path, meta, infos, sums, mode = header
+    if rank != 0:
+        offsets = np.empty(len(infos), dtype=np.int64)
+    if own is not None:
+        own.Bcast(offsets, root=0)
+    return path, meta, infos, sums, mode, offsets
+
+
+def _request_rows(reqs: Sequence[Piece], infos: Mapping[str, TensorInfo],
+                  index: Mapping[str, int], path: str) -> np.ndarray:
+    """``(tensor, start, stop)`` of each request, after checking it. Not collective."""
+    rows = np.empty((len(reqs), 3), dtype=np.int64)
+    for k, q in enumerate(reqs):
+        if q.name not in infos:
+            raise CheckpointMismatchError(
+                f"request for tensor {q.name!r}, which {path!r} does not hold")
+        info = infos[q.name]
+        a, b = check_flat(q.name, q.flat, info.numel)
+        out = q.data
+        if (not isinstance(out, np.ndarray) or out.ndim != 1
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"request for {q.name!r}: out must be a writable, "
+                             "contiguous 1-D numpy array")
+        if out.shape[0] != b - a:
+            raise ValueError(f"request for {q.name!r}: out has {out.shape[0]} "
+                             f"elements for range [{a}, {b})")
+        if out.dtype.name != info.dtype:
+            raise ValueError(f"request for {q.name!r}: out dtype {out.dtype} differs "
+                             f"from the stored {info.dtype}")
+        rows[k] = (index[q.name], a, b)
+    return rows
+
+
+def _read_and_sum(path: str, mode: str, own: Any, names: Sequence[str],
+                  infos: Mapping[str, TensorInfo], offsets: np.ndarray,
+                  reqs: Sequence[Piece], rows: np.ndarray,
+                  reqs_of: Sequence[np.ndarray] | None, size: int, rank: int) -> np.ndarray:
+    """Read this rank's requests and, when verifying (``reqs_of`` given), the partial
+    checksums this rank is responsible for. Collective over ``own``."""
+    part = np.zeros((len(names), 2), dtype=np.uint64)
+    with capture_failure(CorruptCheckpointError) as box:
+        f = Reader(path, mode, own, names, infos, offsets)
+    agree(own, first_failure(box))
+    try:
+        with capture_failure(CorruptCheckpointError) as box:
+            # File order, so each rank's reads move forward through the file.
+            order = sorted(range(len(reqs)),
+                           key=lambda k: (int(offsets[rows[k, 0]]), int(rows[k, 1])))
+            for k in order:
+                if reqs[k].data.shape[0]:
+                    f.read(int(rows[k, 0]), int(rows[k, 1]), reqs[k].data)
+            if reqs_of is not None:
+                owned, extra = verify_plan(reqs_of, [infos[n].numel for n in names],
+                                           size, rank)
+                for k, lo, hi in owned:
+                    t, a = int(rows[k, 0]), int(rows[k, 1])
+                    part[t] = checksum_update((int(part[t, 0]), int(part[t, 1])),
+                                              reqs[k].data[lo - a:hi - a], lo)
+                for t, lo, hi in extra:
+                    part[t] = sum_range(f, t, lo, hi, infos[names[t]].dtype,
+                                        (int(part[t, 0]), int(part[t, 1])))
+    finally:
+        with capture_failure(CorruptCheckpointError) as close_box:
+            f.close()
+    agree(own, first_failure(box) or first_failure(close_box))
+    return part
+
+
+def _compare_sums(path: str, part: np.ndarray, own: Any, reqs_of: Sequence[np.ndarray],
+                  names: Sequence[str], sums: Mapping[str, tuple[int, int]]) -> None:
+    """Sum the partial checksums over the ranks and compare them with the stored ones.
+    Collective over ``own``; the same verdict on every rank."""
+    if own is not None:
+        from mpi4py import MPI
+
+        own.Allreduce(MPI.IN_PLACE, [part, MPI.UINT64_T], op=MPI.SUM)
+    checked = sorted({int(t) for rs in reqs_of for t in rs[:, 0]})
+    bad = [names[t] for t in checked if (int(part[t, 0]), int(part[t, 1])) != sums[names[t]]]
+    if bad:
+        more = f" ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {path!r} for dataset(s) {bad[:10]}{more}: the data "
+            "on disk is not what was saved"
+        )
 
 
 def sum_range(f: Reader, t: int, lo: int, hi: int, dtype: str,

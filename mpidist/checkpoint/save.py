@@ -10,6 +10,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -149,80 +150,25 @@ def save_checkpoint(
     own = comm.Dup() if size > 1 else None
     try:
         # 1. validate locally, then agree: same arguments everywhere, and no rank failed.
-        with capture_failure() as box:
-            infos = as_tensor_infos(tensors)
-            validate_names(infos)
-            names = sorted(infos)
-            index = {n: t for t, n in enumerate(names)}
-            plain, whole = encode_attrs(dict(attrs or {}))
-            if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
-                                     or keep < 1):
-                raise ValueError(f"keep={keep!r} must be a positive integer or None")
-            plist = [as_piece(p) for p in pieces]
-            rows = validate_pieces(plist, infos, index)
-            mode = io_mode(comm, serial)
-            writeback = writeback_bytes()
-        failure = first_failure(box)
-        if failure is None:
-            digest = hashlib.sha256(json.dumps(
-                [os.path.abspath(path), [(n, infos[n].shape, infos[n].dtype) for n in names],
-                 whole, keep, mode, writeback]).encode()).hexdigest()
-        else:
-            rows, digest = np.empty((0, 3), dtype=np.int64), ""
-        if own is None:
-            agree(own, failure)
-            all_rows = [rows]
-        else:
-            everyone = own.allgather((None if failure is None else
-                                      (failure.cls.__name__, str(failure)), digest, rows))
-            for r, (err, _, _) in enumerate(everyone):
-                if err is not None:
-                    raise ERRORS.get(err[0], CheckpointError)(f"[rank {r}] {err[1]}")
-            digests = [d for _, d, _ in everyone]
-            if len(set(digests)) > 1:
-                differ = [r for r, d in enumerate(digests) if d != digests[0]]
-                raise CheckpointError(
-                    f"ranks {differ} passed a different path, tensors, attrs, keep or I/O mode "
-                    "than rank 0 to save_checkpoint"
-                )
-            all_rows = [r for _, _, r in everyone]
-        with capture_failure() as box:
-            check_coverage(all_rows, names, infos)
-        agree(own, first_failure(box))  # every rank checked the same table: the same verdict
+        plan = _agree_on_arguments(path, tensors, pieces, attrs, keep, serial, comm, own)
+        names, infos, plist, rows = plan.names, plan.infos, plan.pieces, plan.rows
 
         # 2. checksums: partial sums of the local pieces, summed mod 2**64 over ranks (the
         #    posix mode computes them while writing).
-        sums = None if mode == "posix" else global_sums(plist, rows, len(names), own)
+        sums = None if plan.mode == "posix" else global_sums(plist, rows, len(names), own)
 
         # 3. rank 0 names the temp file and stamps the time; everyone gets the same values.
         directory = os.path.dirname(os.path.abspath(path))
-        header = None
-        if rank == 0:
-            with capture_failure() as box:
-                os.makedirs(directory, exist_ok=True)
-                now = datetime.datetime.now(datetime.timezone.utc)
-                tmp = os.path.join(directory,
-                                   f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
-                header = (tmp, now.isoformat(timespec="seconds").replace("+00:00", "Z"),
-                          time.time_ns())
-            failure = first_failure(box)
-            msg = None if failure is None else str(failure)
-        else:
-            msg = None
-        if own is not None:
-            header, msg = own.bcast((header, msg), root=0)
-        if msg is not None:
-            raise CheckpointError(f"[rank 0] cannot prepare {directory!r}: {msg}")
-        tmp, created, started_ns = header
-        root = dict(plain, format=FORMAT_NAME, format_version=np.int64(FORMAT_VERSION),
-                    library_version=__version__, created=created, metadata_json=whole,
+        tmp, created, started_ns = _name_temp_file(path, directory, rank, own)
+        root = dict(plan.plain, format=FORMAT_NAME, format_version=np.int64(FORMAT_VERSION),
+                    library_version=__version__, created=created, metadata_json=plan.whole,
                     checksum_algorithm=CHECKSUM_ALGORITHM, num_tensors=np.int64(len(names)))
 
         # 4. write the temp file and fsync it on every rank.
         try:
-            if mode == "posix":
-                save_posix(tmp, names, infos, root, plist, rows, own, writeback)
-            elif mode == "mpio":
+            if plan.mode == "posix":
+                save_posix(tmp, names, infos, root, plist, rows, own, plan.writeback)
+            elif plan.mode == "mpio":
                 save_mpio(tmp, names, infos, sums, root, plist, own)
             else:
                 save_serial(tmp, names, infos, sums, root, plist, own)
@@ -233,23 +179,113 @@ def save_checkpoint(
             raise
 
         # 5. commit: rename, fsync the directory, move `latest`, apply retention.
-        msg = None
-        if rank == 0:
-            with capture_failure() as box:
-                os.replace(tmp, path)
-                fsync_path(directory, directory=True)
-                write_latest(directory, os.path.basename(path))
-                retain(directory, keep, path, started_ns)
-            failure = first_failure(box)
-            msg = None if failure is None else str(failure)
-        if own is not None:
-            msg = own.bcast(msg, root=0)
-        if msg is not None:
-            raise CheckpointError(f"[rank 0] committing {path!r} failed: {msg}")
+        _commit(path, tmp, directory, keep, started_ns, rank, own)
         return path
     finally:
         if own is not None:
             own.Free()
+
+
+@dataclass
+class _SavePlan:
+    """What every rank agreed on in phase 1 of a save."""
+
+    names: list[str]
+    infos: dict[str, TensorInfo]
+    pieces: list[Piece]
+    rows: np.ndarray
+    mode: str
+    writeback: int
+    plain: dict[str, Any]
+    whole: str
+
+
+def _agree_on_arguments(path: str, tensors: Mapping[str, Any], pieces: Iterable[Any],
+                        attrs: Mapping[str, Any] | None, keep: int | None,
+                        serial: bool | None, comm: Any, own: Any) -> _SavePlan:
+    """Validate the arguments locally, then agree over ``own``: the same arguments on every
+    rank, no rank failed, and the pieces cover every element once. Collective."""
+    with capture_failure() as box:
+        infos = as_tensor_infos(tensors)
+        validate_names(infos)
+        names = sorted(infos)
+        index = {n: t for t, n in enumerate(names)}
+        plain, whole = encode_attrs(dict(attrs or {}))
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
+                                 or keep < 1):
+            raise ValueError(f"keep={keep!r} must be a positive integer or None")
+        plist = [as_piece(p) for p in pieces]
+        rows = validate_pieces(plist, infos, index)
+        mode = io_mode(comm, serial)
+        writeback = writeback_bytes()
+    failure = first_failure(box)
+    if failure is None:
+        digest = hashlib.sha256(json.dumps(
+            [os.path.abspath(path), [(n, infos[n].shape, infos[n].dtype) for n in names],
+             whole, keep, mode, writeback]).encode()).hexdigest()
+    else:
+        rows, digest = np.empty((0, 3), dtype=np.int64), ""
+    if own is None:
+        agree(own, failure)
+        all_rows = [rows]
+    else:
+        everyone = own.allgather((None if failure is None else
+                                  (failure.cls.__name__, str(failure)), digest, rows))
+        for r, (err, _, _) in enumerate(everyone):
+            if err is not None:
+                raise ERRORS.get(err[0], CheckpointError)(f"[rank {r}] {err[1]}")
+        digests = [d for _, d, _ in everyone]
+        if len(set(digests)) > 1:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise CheckpointError(
+                f"ranks {differ} passed a different path, tensors, attrs, keep or I/O mode "
+                "than rank 0 to save_checkpoint"
+            )
+        all_rows = [r for _, _, r in everyone]
+    with capture_failure() as box:
+        check_coverage(all_rows, names, infos)
+    agree(own, first_failure(box))  # every rank checked the same table: the same verdict
+    return _SavePlan(names, infos, plist, rows, mode, writeback, plain, whole)
+
+
+def _name_temp_file(path: str, directory: str, rank: int, own: Any) -> tuple[str, str, int]:
+    """Rank 0 makes the directory and names the temp file; ``(tmp, created, started_ns)``
+    on every rank. Collective over ``own``."""
+    header = msg = None
+    if rank == 0:
+        with capture_failure() as box:
+            os.makedirs(directory, exist_ok=True)
+            now = datetime.datetime.now(datetime.timezone.utc)
+            tmp = os.path.join(directory,
+                               f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
+            header = (tmp, now.isoformat(timespec="seconds").replace("+00:00", "Z"),
+                      time.time_ns())
+        failure = first_failure(box)
+        msg = None if failure is None else str(failure)
+    if own is not None:
+        header, msg = own.bcast((header, msg), root=0)
+    if msg is not None:
+        raise CheckpointError(f"[rank 0] cannot prepare {directory!r}: {msg}")
+    return header
+
+
+def _commit(path: str, tmp: str, directory: str, keep: int | None, started_ns: int,
+            rank: int, own: Any) -> None:
+    """Rank 0 renames the temp file, fsyncs the directory, moves ``latest`` and applies
+    retention; every rank gets the verdict. Collective over ``own``."""
+    msg = None
+    if rank == 0:
+        with capture_failure() as box:
+            os.replace(tmp, path)
+            fsync_path(directory, directory=True)
+            write_latest(directory, os.path.basename(path))
+            retain(directory, keep, path, started_ns)
+        failure = first_failure(box)
+        msg = None if failure is None else str(failure)
+    if own is not None:
+        msg = own.bcast(msg, root=0)
+    if msg is not None:
+        raise CheckpointError(f"[rank 0] committing {path!r} failed: {msg}")
 
 
 def global_sums(pieces: Sequence[Piece], rows: np.ndarray, n: int, comm: Any) -> np.ndarray:
