@@ -17,13 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.comms import mpi
+
 __all__ = ["CountingComm", "RequestChain", "iallgather", "iallreduce"]
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
 
 
 # -- measuring what is sent ---------------------------------------------------------------------
@@ -74,7 +70,7 @@ class CountingComm:
             self._totals._add(op, nbytes)
 
     def _in_place(self, sendbuf: Any) -> bool:
-        return sendbuf is _mpi().IN_PLACE
+        return sendbuf is mpi().IN_PLACE
 
     def _reduce(self, name: str, sendbuf: Any, recvbuf: Any, *args: Any, **kw: Any) -> Any:
         self._add(name, _spec_bytes(recvbuf if self._in_place(sendbuf) else sendbuf))
@@ -167,7 +163,7 @@ class RequestChain:
 
     def test(self) -> bool:
         while not self.done:
-            if self._reqs and not _mpi().Request.Testall(self._reqs):
+            if self._reqs and not mpi().Request.Testall(self._reqs):
                 return False
             if not self._can_advance():
                 return False
@@ -177,7 +173,7 @@ class RequestChain:
     def wait(self) -> None:
         while not self.done:
             if self._reqs:
-                _mpi().Request.Waitall(self._reqs)
+                mpi().Request.Waitall(self._reqs)
             while not self._can_advance():
                 assert self._gate is not None
                 self._gate[0].wait()
@@ -199,7 +195,7 @@ def iallreduce(buf: np.ndarray, comm: Any) -> list[Any]:
     request sees it complete."""
     if comm is None or comm.Get_size() == 1:
         return []
-    req = comm.Iallreduce(_mpi().IN_PLACE, buf.reshape(-1), op=_mpi().SUM)
+    req = comm.Iallreduce(mpi().IN_PLACE, buf.reshape(-1), op=mpi().SUM)
     _PINNED[id(req)] = (req, buf)
     return [req]
 
