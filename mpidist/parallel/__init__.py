@@ -19,6 +19,7 @@ from mpidist.parallel.hybrid import (
     HybridShardedOptimizer,
     HybridZeRO1Model,
     HybridZeRO2Model,
+    HybridZeRO3Model,
 )
 from mpidist.parallel.local_sgd import LocalSGDOptimizer
 from mpidist.parallel.zero import (
@@ -53,6 +54,7 @@ __all__ = [
     "HybridShardedOptimizer",
     "HybridZeRO1Model",
     "HybridZeRO2Model",
+    "HybridZeRO3Model",
     "OptimizationResult",
     "ShardedModel",
     "ShardedOptimizer",

@@ -193,9 +193,9 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
                 pending = self._gather(u + 1)
         return h
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
         """Backward unit by unit: gather, compute, reduce-scatter the gradients, drop.
-        Collective over dp."""
+        Collective over dp. Returns the input gradient of the first unit."""
         n = len(self.units)
         prefetch = self.config.prefetch
         pending = self._gather(n - 1)
@@ -214,6 +214,7 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
             self._progress_reduce_scatter(wait=False)
             if not prefetch and u > 0:
                 pending = self._gather(u - 1)
+        return dy
 
     def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
         sl = slice(0, self.layout.local_size)

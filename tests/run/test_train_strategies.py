@@ -57,7 +57,8 @@ def from_step3(tmp_path: Path, full: Path, name: str) -> Path:
     (["--strategy", "compressed", "--compression", "topk", "--topk-ratio", "0.05"], None),
     (["--strategy", "compressed", "--compression", "powersgd", "--powersgd-rank", "1"], None),
     (["--strategy", "async", "--staleness", "2"], 3),
-], ids=["localsgd", "topk", "powersgd", "async"])
+    (["--strategy", "hybrid", "--zero-stage", "3", "--micro-batches", "2"], 3),
+], ids=["localsgd", "topk", "powersgd", "async", "hybrid-zero3"])
 def test_strategy_resumes_exactly(tmp_path: Path, flags: list[str], other_size: int | None):
     full = tmp_path / "full"
     train(2, full, *flags)
