@@ -108,9 +108,7 @@ class _Run:
         cfg = self.cfg
         t_setup = time.perf_counter()
         if not self.joiner:
-            if self.comm.Get_rank() == 0:
-                os.makedirs(cfg.out, exist_ok=True)
-            self.comm.Barrier()
+            self._make_out()
         self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
         self._check_batch(self.model)
         self.train_data, self.val_data = make_data(cfg)
@@ -138,6 +136,24 @@ class _Run:
         if elastic is not None and elastic.left:
             return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
         return self._finish(outcome, seconds, t_train - t_setup)
+
+    def _make_out(self) -> None:
+        """Rank 0 creates ``--out``; every rank raises the same error if it cannot."""
+        error = ""
+        if self.comm.Get_rank() == 0:
+            try:
+                os.makedirs(self.cfg.out, exist_ok=True)
+            except OSError as exc:
+                error = f"--out {self.cfg.out!r} cannot be created: {exc.strerror or exc}"
+        if self.comm.Get_size() > 1:  # the message as bytes: no pickle
+            n = np.array([len(error.encode())], dtype=np.int64)
+            self.comm.Bcast(n, root=0)
+            buf = np.frombuffer(error.encode(), dtype=np.uint8).copy() if error else \
+                np.zeros(int(n[0]), dtype=np.uint8)
+            self.comm.Bcast(buf, root=0)
+            error = buf.tobytes().decode()
+        if error:
+            raise ValueError(error)
 
     def _check_batch(self, model: Any) -> None:
         cfg = self.cfg

@@ -121,8 +121,9 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
     print(f"final train loss      {s['final_train_loss']:.4f}")
     print(f"final validation loss {s['final_validation_loss']:.4f}   "
           f"(unigram baseline of the corpus: {s['unigram_baseline']:.4f} nats/token)")
-    verdict = "below" if s["final_validation_loss"] < s["unigram_baseline"] else "NOT below"
-    print(f"validation loss is {verdict} the unigram baseline")
+    if s["final_validation_loss"] == s["final_validation_loss"]:  # not NaN (preempted runs)
+        verdict = "below" if s["final_validation_loss"] < s["unigram_baseline"] else "NOT below"
+        print(f"validation loss is {verdict} the unigram baseline")
     print(f"throughput            {s['tokens_per_second']:,.0f} tokens/s over "
           f"{s['steps_this_run']} steps in {s['seconds']:.1f} s")
     t = s["time_split_seconds"]

@@ -87,3 +87,16 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path: Path):
     with pytest.raises(ValueError, match="cannot be created"):
         check_output_directory(str(path / "sub"))
     check_output_directory(str(tmp_path / "new" / "deeper"))  # creatable: fine
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_out_that_cannot_be_created_is_a_clear_error_not_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mpidist.cli", "train", "--out",
+                           "/proc/self/mpidist-run", "--steps", "1", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "mpidist train: error: --out '/proc/self/mpidist-run'" in proc.stderr
+    assert "Traceback" not in proc.stderr
