@@ -91,15 +91,18 @@ def signal_name(signum: int) -> str:
 def requeue_slurm_job() -> str:
     """Requeue this Slurm job (``scontrol requeue $SLURM_JOB_ID``); what happened, in words.
 
+    ``MPIDIST_SCONTROL`` names another ``scontrol`` (a site wrapper, or a stand-in in tests).
+
     Not collective (call on one rank). Outside Slurm, or without ``scontrol``, nothing is
     requeued and the returned text says why.
     """
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return "not requeued: not running under Slurm (no SLURM_JOB_ID)"
-    exe = shutil.which("scontrol")
+    name = os.environ.get("MPIDIST_SCONTROL", "scontrol")
+    exe = shutil.which(name)
     if exe is None:
-        return f"not requeued: scontrol is not on PATH (job {job})"
+        return f"not requeued: {name} is not on PATH (job {job})"
     proc = subprocess.run([exe, "requeue", job], capture_output=True, text=True, timeout=20,
                           check=False)
     if proc.returncode != 0:

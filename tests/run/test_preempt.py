@@ -38,9 +38,12 @@ def _env(tag: str = "", **extra: str) -> dict[str, str]:
     return e
 
 
-def _cmd(n: int, out: Path, *args: str) -> list[str]:
-    return [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpidist.cli", "train", "--out",
-            str(out), *TINY, *args]
+def _cmd(n: int, out: Path, *args: str, rank_env: dict[str, str] | None = None) -> list[str]:
+    # Slurm variables go to the ranks only (-x): in mpiexec's own environment they would
+    # make Open MPI launch through Slurm.
+    exports = [a for k, v in (rank_env or {}).items() for a in ("-x", f"{k}={v}")]
+    return [MPIEXEC, "-n", str(n), *exports, sys.executable, "-m", "mpidist.cli", "train",
+            "--out", str(out), *TINY, *args]
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -74,11 +77,11 @@ def _rank_pids(tag: str) -> dict[int, int]:
 
 
 def _signal_mid_run(out: Path, n: int, sig: int, *args: str, twice: bool = False,
-                    extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                    rank_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Start a run, wait for its 3rd step, send ``sig`` to every rank (and a second one to
     rank 0 right after, while the checkpoint is being written, when ``twice``)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_cmd(n, out, *args), env=_env(tag, **(extra_env or {})),
+    proc = subprocess.Popen(_cmd(n, out, *args, rank_env=rank_env), env=_env(tag),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -151,17 +154,17 @@ def test_sigusr1_with_requeue_calls_scontrol_and_the_requeued_start_resumes(tmp_
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "run"
-    slurm = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    proc = _signal_mid_run(out, 2, signal.SIGUSR1, "--requeue", extra_env=slurm)
+    slurm = {"MPIDIST_SCONTROL": str(fake), "SLURM_JOB_ID": "4242"}
+    proc = _signal_mid_run(out, 2, signal.SIGUSR1, "--requeue", rank_env=slurm)
     assert proc.returncode == EXIT_PREEMPTED, proc.stdout + proc.stderr
     assert calls.read_text().split() == ["requeue", "4242"]
     stopped = max(_losses(out / "metrics.jsonl"))
     pre = [e for e in _events(out) if e["event"] == "preempted"][0]
     assert pre["signal"] == "SIGUSR1" and pre["requeue"] == "requeued Slurm job 4242"
     # The requeued job runs the same command; SLURM_RESTART_COUNT > 0 means "resume".
-    again = subprocess.run(_cmd(2, out, "--requeue", "--steps", str(stopped + 2)),
-                           env=_env(**slurm, SLURM_RESTART_COUNT="1"), capture_output=True,
-                           text=True, timeout=240)
+    again = subprocess.run(_cmd(2, out, "--requeue", "--steps", str(stopped + 2),
+                                rank_env={**slurm, "SLURM_RESTART_COUNT": "1"}),
+                           env=_env(), capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr
     assert [e["event"] for e in _events(out)].count("resume") == 1
     assert max(_losses(out / "metrics.jsonl")) == stopped + 2
