@@ -102,11 +102,16 @@ def plot_losses(metrics_path: str, out_png: str, baseline: float) -> bool:
 
 
 def write_summary(summary: dict[str, Any], out: str) -> None:
-    """``summary.json``, the loss plot and the printed summary (call on rank 0)."""
+    """``summary.json``, the loss plot and the printed summary (call on rank 0).
+
+    A preempted run skips the plot: it would spend seconds of the time Slurm leaves before
+    SIGKILL, and the run's next start draws it."""
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    plotted = plot_losses(os.path.join(out, "metrics.jsonl"), os.path.join(out, "loss.png"),
-                          summary["unigram_baseline"])
+    plotted = False
+    if not summary.get("preempted"):
+        plotted = plot_losses(os.path.join(out, "metrics.jsonl"),
+                              os.path.join(out, "loss.png"), summary["unigram_baseline"])
     print_summary(summary, out, plotted)
 
 
