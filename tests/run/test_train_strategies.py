@@ -54,11 +54,11 @@ def from_step3(tmp_path: Path, full: Path, name: str) -> Path:
 @pytest.mark.parametrize("flags, other_size", [
     # checkpoint at step 3, between two averages: every replica differs
     (["--strategy", "localsgd", "--sync-period", "2"], None),
-    (["--strategy", "compressed", "--compression", "topk", "--topk-ratio", "0.05"], None),
+    # PowerSGD: per-rank residuals (as top-k) and the warm-start factors
     (["--strategy", "compressed", "--compression", "powersgd", "--powersgd-rank", "1"], None),
     (["--strategy", "async", "--staleness", "2"], 3),
-    (["--strategy", "hybrid", "--zero-stage", "3", "--micro-batches", "2"], 3),
-], ids=["localsgd", "topk", "powersgd", "async", "hybrid-zero3"])
+    (["--strategy", "hybrid", "--zero-stage", "3", "--micro-batches", "2"], None),
+], ids=["localsgd", "powersgd", "async", "hybrid-zero3"])
 def test_strategy_resumes_exactly(tmp_path: Path, flags: list[str], other_size: int | None):
     full = tmp_path / "full"
     train(2, full, *flags)
