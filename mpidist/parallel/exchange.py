@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.comms import mpi
+from mpidist.comms import mpi, size_rank
 
 __all__ = ["CountingComm", "RequestChain", "iallgather", "iallreduce"]
 
@@ -193,7 +193,7 @@ def iallreduce(buf: np.ndarray, comm: Any) -> list[Any]:
 
     ``buf`` stays referenced (:data:`_PINNED`) until the :class:`RequestChain` that holds the
     request sees it complete."""
-    if comm is None or comm.Get_size() == 1:
+    if size_rank(comm)[0] == 1:
         return []
     req = comm.Iallreduce(mpi().IN_PLACE, buf.reshape(-1), op=mpi().SUM)
     _PINNED[id(req)] = (req, buf)
