@@ -318,7 +318,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm, workdir: Path) -
     text = _assert_ok(info)
     assert signalled, f"the job ended before it could be signalled\n{text}"
     assert int(info.get("Restarts", "0")) == 1, info
-    assert "preempted; checkpoint written" in text and "start 2 of job" in text
+    assert f"requeued Slurm job {job}" in text and "start 2 of job" in text
     events = _rows(out / "events.jsonl")
     pre = [e for e in events if e["event"] == "preempted"]
     assert len(pre) == 1 and pre[0]["signal"] == "SIGUSR1", events
