@@ -3,13 +3,12 @@
 The public API is re-exported here; see the submodules for the details.
 """
 
-__version__ = "0.1.0"
-
-from mpidist import collectives, data, nn, optim  # noqa: E402
-from mpidist.buffers import Bucket, FlatBuffer, ShardedLayout  # noqa: E402
-from mpidist.launch import abort_on_failure, detect_environment  # noqa: E402
-from mpidist.mesh import ProcessMesh, layout  # noqa: E402
-from mpidist.parallel import (  # noqa: E402
+from mpidist import collectives, data, nn, optim
+from mpidist._version import __version__
+from mpidist.buffers import Bucket, FlatBuffer, ShardedLayout
+from mpidist.launch import abort_on_failure, detect_environment
+from mpidist.mesh import ProcessMesh, layout
+from mpidist.parallel import (
     AsyncSGDOptimizer,
     DDPModel,
     DDPOptimizer,

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mpidist import __version__
+from mpidist._version import __version__
 
 __all__ = ["build_parser", "main"]
 

@@ -294,3 +294,39 @@ def test_elastic_survives_killed_task(slurm, workdir: Path) -> None:
         first.setdefault(r["step"], r["loss"])
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
     assert "all checksums verified" in text
+
+
+@pytest.mark.timeout(900)
+def test_preempted_job_checkpoints_requeues_and_finishes(slurm, workdir: Path) -> None:
+    """What a time limit does with --signal=USR1@T, sent by hand: the ranks finish their
+    step, checkpoint, rank 0 requeues the job, which starts again, resumes and finishes."""
+    out = workdir / "runs/requeue"
+    steps = 400  # long enough to be signalled mid-run; the tiny steps take milliseconds
+    signalled: list[int] = []
+
+    def preempt_after_a_few_steps(info: dict[str, str]) -> None:
+        metrics = out / "metrics.jsonl"
+        if signalled or not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+            return
+        subprocess.run(["scancel", "--signal=USR1", info["JobId"]], check=True)
+        signalled.append(1)
+
+    job = _sbatch(workdir, "train-requeue.sbatch", MPIDIST_OUT="runs/requeue",
+                  MPIDIST_STEPS=str(steps), MPIDIST_STRATEGY="ddp",
+                  MPIDIST_TRAIN_ARGS=f"{TINY} --checkpoint-interval 0 --eval-interval 0")
+    info = _wait(job, while_running=preempt_after_a_few_steps, poll=0.2)
+    text = _assert_ok(info)
+    assert signalled, f"the job ended before it could be signalled\n{text}"
+    assert int(info.get("Restarts", "0")) == 1, info
+    assert f"requeued Slurm job {job}" in text and "start 2 of job" in text
+    events = _rows(out / "events.jsonl")
+    pre = [e for e in events if e["event"] == "preempted"]
+    assert len(pre) == 1 and pre[0]["signal"] == "SIGUSR1", events
+    assert pre[0]["requeue"] == f"requeued Slurm job {job}"
+    stopped = pre[0]["step"]
+    assert 0 < stopped < steps
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [stopped]
+    train = [r["step"] for r in _rows(out / "metrics.jsonl") if r.get("split") == "train"]
+    assert train == list(range(1, steps + 1))  # each step trained once across the starts
+    assert (out / "latest").read_text().strip() == f"ckpt-{steps:08d}.h5"

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.checkpoint.agreement import h5py_module
 from mpidist.checkpoint.format import (
     CheckpointError,
     CheckpointMismatchError,
@@ -24,7 +25,9 @@ from mpidist.checkpoint.format import (
     checksum_update,
     compare_tensors,
 )
-from mpidist.checkpoint.io import _h5py, _open_error, _read_header, _read_range, read_tensor
+from mpidist.checkpoint.header import open_error, read_header
+from mpidist.checkpoint.load import read_tensor
+from mpidist.checkpoint.storage import read_range
 
 __all__ = ["diff", "export", "format_diff", "format_inspect", "inspect", "verify_checkpoint"]
 
@@ -38,7 +41,7 @@ def _chunks(ds: Any, info: TensorInfo) -> Iterator[tuple[int, np.ndarray]]:
     buf = np.empty(min(step, info.numel), dtype=dtype)
     for a in range(0, info.numel, step):
         b = min(info.numel, a + step)
-        _read_range(ds, a, buf[:b - a])
+        read_range(ds, a, buf[:b - a])
         yield a, buf[:b - a]
 
 
@@ -46,8 +49,8 @@ def _scan(path: str, *, verify: bool, norms: bool) -> tuple[dict[str, Any],
                                                                dict[str, TensorInfo],
                                                                dict[str, float], list[str]]:
     """Header, per-tensor L2 norms and the names failing their checksum, in one pass."""
-    meta, infos, sums = _read_header(path)
-    h5py = _h5py()
+    meta, infos, sums = read_header(path)
+    h5py = h5py_module()
     out_norms: dict[str, float] = {}
     bad: list[str] = []
     if not (verify or norms):
@@ -55,7 +58,7 @@ def _scan(path: str, *, verify: bool, norms: bool) -> tuple[dict[str, Any],
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as exc:
-        raise _open_error(path, exc) from None
+        raise open_error(path, exc) from None
     with f:
         for name, info in infos.items():
             total = 0.0
@@ -196,7 +199,7 @@ def export(path: str | os.PathLike[str], to: str | os.PathLike[str], *,
     path, to = os.fspath(path), os.fspath(to)
     if not (to.endswith(".npz") or to.endswith(".safetensors")):
         raise ValueError(f"export target {to!r} must end in .npz or .safetensors")
-    _, infos = _read_header(path)[:2]
+    _, infos = read_header(path)[:2]
     chosen = [n for n in infos if prefix and n.startswith(prefix)]
     if chosen:
         keys = {n: n[len(prefix):] for n in chosen}
@@ -225,15 +228,15 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, Any]
     (complex: modulus), and equal bit patterns (NaN included) count as no difference.
     """
     a, b = os.fspath(a), os.fspath(b)
-    _, ia, _ = _read_header(a)
-    _, ib, _ = _read_header(b)
+    _, ia, _ = read_header(a)
+    _, ib, _ = read_header(b)
     result: dict[str, Any] = {
         "max_abs_diff": {},
         "only_in_a": sorted(set(ia) - set(ib)),
         "only_in_b": sorted(set(ib) - set(ia)),
         "mismatched": {},
     }
-    h5py = _h5py()
+    h5py = h5py_module()
     with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
         for name in sorted(set(ia) & set(ib)):
             if ia[name] != ib[name]:

@@ -6,9 +6,19 @@ The file holds, as global named tensors:
 * ``optimizer/<state name>/<parameter name>``: every optimizer-state tensor
   (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...), with the parameter's shape;
 
+* ``strategy/...``: state of the strategy itself, for strategies that have some (Local
+  SGD's replicas, error-feedback residuals, async SGD's in-flight gradients);
+
 and root attributes: ``step`` (optimizer updates), ``steps_taken``, ``strategy``, ``mesh``,
 ``world_size``, ``dtype``, ``optimizer`` (name and hyperparameters), ``data`` (the sampler's
-epoch, step and samples seen) and ``extra``. Each rank writes only the elements it owns and
+epoch, step and samples seen), ``strategy_state`` and ``extra``.
+
+A strategy with state of its own offers (duck-typed; this module knows no strategy)
+``strategy_state_attrs()`` (JSON, collective: it may complete pending exchanges),
+``strategy_state_tensors()``, ``strategy_state_pieces(for_writing=...)``, and for loading
+``prepare_strategy_state(attrs) -> bool`` (checks, may raise ValueError) and
+``finish_strategy_state()``. A checkpoint's strategy state is ignored by a strategy of
+another kind, which starts its own state afresh. Each rank writes only the elements it owns and
 reads only what its own layout needs, so a checkpoint saved by any strategy on any mesh
 loads into any other.
 """
@@ -39,7 +49,11 @@ def _model(opt: Any) -> Any:
     return model
 
 
-def training_tensors(opt: Any) -> dict[str, TensorInfo]:
+def _has_state(opt: Any) -> bool:
+    return hasattr(opt, "strategy_state_tensors")
+
+
+def training_tensors(opt: Any, *, strategy_state: bool = True) -> dict[str, TensorInfo]:
     """The global tensors a checkpoint of ``opt`` holds: ``{name: TensorInfo}``."""
     model = _model(opt)
     dtype = np.dtype(model.dtype).name
@@ -50,19 +64,26 @@ def training_tensors(opt: Any) -> dict[str, TensorInfo]:
     for key in opt.state.buffers:
         out.update({f"optimizer/{key}/{n}": TensorInfo(shape, dtype)
                     for n, shape in shapes.items()})
+    if strategy_state and _has_state(opt):
+        out.update({n: TensorInfo(shape, dt)
+                    for n, (shape, dt) in opt.strategy_state_tensors().items()})
     return out
 
 
-def _pieces(opt: Any, *, for_writing: bool) -> list[Piece]:
+def _pieces(opt: Any, *, for_writing: bool, strategy_state: bool = True) -> list[Piece]:
     model = _model(opt)
     if hasattr(model, "checkpoint_pieces"):  # meshes with tp/pp describe their own pieces
-        return [Piece(n, s, d) for n, s, d in
-                model.checkpoint_pieces(opt.state.buffers, for_writing=for_writing)]
-    out = [Piece(f"params/{n}", s, d) for n, s, d in model.tensor_pieces(
-        model.parameter_storage, sharded=model.shards_params, owned=for_writing)]
-    for key, arr in opt.state.buffers.items():
-        out += [Piece(f"optimizer/{key}/{n}", s, d) for n, s, d in model.tensor_pieces(
-            arr, sharded=model.shards_state, owned=for_writing)]
+        out = [Piece(n, s, d) for n, s, d in
+               model.checkpoint_pieces(opt.state.buffers, for_writing=for_writing)]
+    else:
+        out = [Piece(f"params/{n}", s, d) for n, s, d in model.tensor_pieces(
+            model.parameter_storage, sharded=model.shards_params, owned=for_writing)]
+        for key, arr in opt.state.buffers.items():
+            out += [Piece(f"optimizer/{key}/{n}", s, d) for n, s, d in model.tensor_pieces(
+                arr, sharded=model.shards_state, owned=for_writing)]
+    if strategy_state and _has_state(opt):
+        out += [Piece(n, s, d) for n, s, d in
+                opt.strategy_state_pieces(for_writing=for_writing)]
     return out
 
 
@@ -77,6 +98,7 @@ def save_training(directory: str, opt: Any, *, step: int, keep: int | None = Non
     """
     model = _model(opt)
     shape = model.mesh.shape
+    state = opt.strategy_state_attrs() if _has_state(opt) else {}
     attrs = {
         "step": int(opt.state.step),
         "steps_taken": int(opt.step_count),
@@ -86,6 +108,7 @@ def save_training(directory: str, opt: Any, *, step: int, keep: int | None = Non
         "dtype": np.dtype(model.dtype).name,
         "optimizer": opt.base.config(),
         "data": None if opt.sampler is None else opt.sampler.state_dict(),
+        "strategy_state": state,
         "extra": extra or {},
     }
     target = path if path is not None else checkpoint_path(directory, step)
@@ -108,14 +131,20 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
         if found is None:
             raise CheckpointMismatchError(f"no checkpoint in directory {path!r}")
         path = found
-    attrs, _ = read_metadata(path)
+    attrs, stored = read_metadata(path)
     theirs = attrs.get("optimizer", {}).get("name")
     if theirs != opt.base.name:
         raise CheckpointMismatchError(
             f"{path!r} holds optimizer {theirs!r} state; this run uses {opt.base.name!r}"
         )
-    read_pieces(path, _pieces(opt, for_writing=False), comm=comm,
-                expected=training_tensors(opt), verify=verify)
+    use = _has_state(opt) and opt.prepare_strategy_state(attrs.get("strategy_state") or None)
+    # Another strategy's state in the file is not an error: this strategy starts afresh.
+    strict = use or not any(n.startswith("strategy/") for n in stored)
+    read_pieces(path, _pieces(opt, for_writing=False, strategy_state=use), comm=comm,
+                expected=training_tensors(opt, strategy_state=use), strict=strict,
+                verify=verify)
+    if use:
+        opt.finish_strategy_state()
     opt.state.step = int(attrs["step"])
     opt.step_count = int(attrs.get("steps_taken", attrs["step"]))
     for _, _, st in opt._pieces:

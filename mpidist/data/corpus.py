@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BYTES", "STDLIB_FILES", "VALIDATION_FRACTION", "TextCorpus", "corpus_bytes"]
+__all__ = ["MAX_BYTES", "STDLIB_FILES", "VALIDATION_FRACTION", "TextCorpus", "corpus_bytes",
+           "path_bytes"]
 
 #: Standard-library sources that make up the corpus (relative to the stdlib directory).
 STDLIB_FILES: tuple[str, ...] = tuple(
@@ -78,6 +79,28 @@ def corpus_bytes(
     return text, tuple(used)
 
 
+def path_bytes(path: str) -> tuple[bytes, tuple[str, ...]]:
+    """The bytes of a text file, or of every file under a directory (sorted relative paths,
+    joined by newlines, hidden files and directories skipped), and the files used."""
+    if os.path.isfile(path):
+        with open(path, "rb") as fh:
+            return fh.read(), (os.path.basename(path),)
+    if not os.path.isdir(path):
+        raise ValueError(f"data={path!r}: no such file or directory")
+    rels = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rels += [os.path.relpath(os.path.join(root, n), path) for n in names
+                 if not n.startswith(".")]
+    parts = []
+    for rel in sorted(rels):
+        with open(os.path.join(path, rel), "rb") as fh:
+            parts.append(fh.read())
+    if not parts:
+        raise ValueError(f"data={path!r}: the directory holds no files")
+    return b"\n".join(parts), tuple(sorted(rels))
+
+
 class TextCorpus:
     """Byte-level language-modelling samples from the standard-library corpus.
 
@@ -85,6 +108,8 @@ class TextCorpus:
         block_size: tokens per sample (``x`` and ``y`` both have this length).
         split: ``"train"`` or ``"validation"`` (``"val"`` is accepted).
         max_bytes: cap on the whole corpus (both splits).
+        path: a text file, or a directory of files, to use instead of the standard-library
+            corpus (read whole, byte-level, split the same way).
 
     ``len(corpus)`` samples; ``corpus[i] -> (x, y)`` 1-D int64 arrays;
     ``corpus.batch(indices) -> (x, y)`` of shape ``(len(indices), block_size)``.
@@ -93,7 +118,8 @@ class TextCorpus:
     vocab_size = VOCAB_SIZE
 
     def __init__(
-        self, block_size: int, split: str = "train", *, max_bytes: int = MAX_BYTES
+        self, block_size: int, split: str = "train", *, max_bytes: int = MAX_BYTES,
+        path: str | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
@@ -105,7 +131,10 @@ class TextCorpus:
             raise ValueError(f"split={split!r} must be 'train' or 'validation'")
         self.block_size = int(block_size)
         self.split = split
-        text, self.files = corpus_bytes(STDLIB_FILES, int(max_bytes))
+        if path is None:
+            text, self.files = corpus_bytes(STDLIB_FILES, int(max_bytes))
+        else:
+            text, self.files = path_bytes(path)
         self.text = text
         self.fingerprint = hashlib.sha256(text).hexdigest()
         data = np.frombuffer(text, dtype=np.uint8)

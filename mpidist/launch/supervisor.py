@@ -275,7 +275,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from mpidist.launch.log import setup_logging
+    from mpidist.run.logs import setup_logging
 
     setup_logging(0)
     command = list(args.command)

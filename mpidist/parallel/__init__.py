@@ -6,23 +6,22 @@ Local SGD, gradient compression, bounded-staleness asynchronous SGD, and their c
 the mesh sizes and the pipeline schedule.
 """
 
-from mpidist.parallel.communication import (
-    AsyncSGDOptimizer,
-    CountingComm,
-    GradientCompressionOptimizer,
-    LocalSGDOptimizer,
-)
+from mpidist.parallel.async_sgd import AsyncSGDOptimizer
+from mpidist.parallel.compression import GradientCompressionOptimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
 from mpidist.parallel.elastic import ElasticOptimizer
 from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
+from mpidist.parallel.exchange import CountingComm
 from mpidist.parallel.hybrid import (
     HybridDDPModel,
     HybridModel,
     HybridShardedOptimizer,
     HybridZeRO1Model,
     HybridZeRO2Model,
+    HybridZeRO3Model,
 )
+from mpidist.parallel.local_sgd import LocalSGDOptimizer
 from mpidist.parallel.zero import (
     FSDPModel,
     FSDPOptimizer,
@@ -55,6 +54,7 @@ __all__ = [
     "HybridShardedOptimizer",
     "HybridZeRO1Model",
     "HybridZeRO2Model",
+    "HybridZeRO3Model",
     "OptimizationResult",
     "ShardedModel",
     "ShardedOptimizer",

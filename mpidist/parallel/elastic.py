@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.buffers import ShardedLayout, padded_length
+from mpidist.comms import in_place, mpi
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
@@ -393,7 +394,7 @@ class ElasticOptimizer(ShardedOptimizer):
         vec = np.zeros(n + 1, dtype=np.int64)
         vec[comm.Get_rank()] = 1 if self._leave else 0
         vec[n] = self._target
-        comm.Allreduce(comm_in_place(), vec, op=_mpi().MAX)
+        comm.Allreduce(in_place(), vec, op=mpi().MAX)
         self._target = 0
         d = decide(vec.tolist(), n, self.min_workers, self.max_workers)
         if d.refused is not None:
@@ -418,7 +419,7 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def _rescale(self, d: ResizeDecision) -> ShardedModel | None:
         t0 = time.perf_counter()
-        MPI = _mpi()
+        MPI = mpi()
         old_comm, old_mesh, old_model = self._comm, self._mesh, self.model
         assert old_model is not None and self.state is not None
         me_old = old_comm.Get_rank()
@@ -483,7 +484,7 @@ class ElasticOptimizer(ShardedOptimizer):
         return new_model
 
     def _join(self, module: Any) -> ShardedModel:
-        MPI = _mpi()
+        MPI = mpi()
         t0 = time.perf_counter()
         parent = MPI.Comm.Get_parent()
         union = parent.Merge(high=True)
@@ -570,16 +571,6 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 
 
 # -- MPI helpers ---------------------------------------------------------------------------
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
-def comm_in_place() -> Any:
-    return _mpi().IN_PLACE
-
-
 def _bcast_json(obj: Any, comm: Any) -> Any:
     """Broadcast a JSON object from rank 0 (no pickle). Collective over ``comm``."""
     if comm.Get_rank() == 0:

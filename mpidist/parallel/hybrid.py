@@ -37,9 +37,9 @@ from mpidist.buffers import ShardedLayout
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, ZeRO1Model
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, _units_of
+from mpidist.parallel.engine import ShardedModel, ShardedOptimizer, units_of
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule, partition_units
-from mpidist.parallel.zero import ZeRO2Model
+from mpidist.parallel.zero import ZeRO2Model, ZeRO3Model
 
 __all__ = [
     "HybridDDPModel",
@@ -47,6 +47,7 @@ __all__ = [
     "HybridShardedOptimizer",
     "HybridZeRO1Model",
     "HybridZeRO2Model",
+    "HybridZeRO3Model",
     "resolve_hybrid_shape",
 ]
 
@@ -132,7 +133,7 @@ class HybridModel(ShardedModel):
         self.pp_size, self.dp_size, self.tp_size = shape.pp, shape.dp, shape.tp
         if balance not in BALANCES:
             raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
-        global_units = _units_of(module)
+        global_units = units_of(module)
         self.units = global_units
         self._check_units()
         if self.tp_size > 1:
@@ -187,7 +188,7 @@ class HybridModel(ShardedModel):
         else:
             self.local_module = module
         a, b = self.bounds[self.stage]
-        self.units = _units_of(self.local_module)[a:b]
+        self.units = units_of(self.local_module)[a:b]
         self.partitions = {n: v for n, v in tp_partitions(self.local_module).items()
                            if n in set(self.stage_names[self.stage])}
         self.layout = ShardedLayout(
@@ -376,7 +377,7 @@ class HybridModel(ShardedModel):
                     continue
                 emit(prefix, name, ts, data)
 
-        add("params/", self.params, False)
+        add("params/", self.parameter_storage, self.shards_params)
         for key, buf in state_buffers.items():
             add(f"optimizer/{key}/", buf, self.shards_state)
         return out
@@ -443,8 +444,37 @@ class HybridZeRO2Model(HybridModel, ZeRO2Model):
         self._bind_units(None)
 
 
+class HybridZeRO3Model(HybridModel, ZeRO3Model):
+    """Hybrid model with ZeRO-3 over dp: each stage keeps only its dp shard of its
+    parameters; every unit is allgathered over dp just in time for its forward and again
+    for its backward (the next one prefetched), its gradients reduce-scattered straight
+    into the local shard. Tensor-parallel units gather their own tp slice."""
+
+    def _initialize(self) -> None:
+        # Every rank initialises its stage's full layout (values depend on (seed, name)
+        # only) and keeps its shard: no communication.
+        full = np.zeros(self.layout.full_size, dtype=self.dtype)
+        views = self.layout.full_views(full)
+        for unit in self.units:
+            unit.bind(views, None)
+            unit.init_parameters(self.seed)
+            unit.unbind()
+        self.scatter_state(full, self.param_shard)
+
+    def _bind(self) -> None:
+        """Units are bound to gathered buffers during forward and backward only."""
+
+    def full_parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter as a global array. Collective over the mesh."""
+        return self.global_tensors(self.gather_state(self.param_shard))
+
+    def load_full_parameters(self, params: dict[str, np.ndarray]) -> None:
+        """Take this rank's shard of global parameter arrays. Not collective."""
+        self.scatter_state(self.local_full(params, self.dtype), self.param_shard)
+
+
 _MODELS: dict[int, type[HybridModel]] = {0: HybridDDPModel, 1: HybridZeRO1Model,
-                                          2: HybridZeRO2Model}
+                                          2: HybridZeRO2Model, 3: HybridZeRO3Model}
 
 
 class HybridShardedOptimizer(ShardedOptimizer):
@@ -457,8 +487,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
             the pipeline; ``max_grad_norm`` clips by the norm over the whole mesh.
         pipeline_parallel_size, tensor_parallel_size: pp and tp sizes.
         data_parallel_size: dp size; -1 infers it from the world size.
-        zero_stage: 0 (replicated, allreduce), 1 (sharded optimizer state) or 2 (sharded
-            gradients too) over dp.
+        zero_stage: 0 (replicated, allreduce), 1 (sharded optimizer state), 2 (sharded
+            gradients too) or 3 (sharded parameters too, gathered unit by unit) over dp.
         schedule: "1f1b" (default) or "gpipe".
         balance: stage split, "uniform" (units) or "parameters" (parameter count).
         comm: communicator to build the mesh on when ``config.mesh`` is None
@@ -480,7 +510,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         super().__init__(base, config, loss=loss, lr_schedule=lr_schedule)
         zero_stage = _int(zero_stage, "zero_stage")
         if zero_stage not in _MODELS:
-            raise ValueError(f"zero_stage={zero_stage} must be 0, 1 or 2")
+            raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
         if balance not in BALANCES:
             raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
         self.zero_stage = zero_stage

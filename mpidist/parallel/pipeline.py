@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mpidist import collectives as C
+from mpidist.comms import size_rank
 
 __all__ = [
     "SCHEDULES",
@@ -182,8 +183,7 @@ class PipelineStage:
         self.forward = forward
         self.backward = backward
         self.comm = comm
-        self.stage = 0 if comm is None else comm.Get_rank()
-        self.n_stages = 1 if comm is None else comm.Get_size()
+        self.n_stages, self.stage = size_rank(comm)
         self.loss = loss
         self.stats = PipelineStats()
         self.is_first = self.stage == 0

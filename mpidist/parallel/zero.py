@@ -27,7 +27,7 @@ from mpidist.parallel.engine import (
     ReplicatedParameters,
     ShardedModel,
     ShardedOptimizer,
-    _has_units,
+    has_units,
 )
 
 __all__ = [
@@ -147,7 +147,7 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
     shards_params = True
 
     def _allocate(self) -> None:
-        if not _has_units(self.module):
+        if not has_units(self.module):
             raise ValueError(
                 f"ZeRO-3 needs a model made of units (a .units list of 2 or more); "
                 f"{type(self.module).__name__} has none"
@@ -193,9 +193,9 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
                 pending = self._gather(u + 1)
         return h
 
-    def backward(self, dy: Any, ctx: Any = None) -> None:
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
         """Backward unit by unit: gather, compute, reduce-scatter the gradients, drop.
-        Collective over dp."""
+        Collective over dp. Returns the input gradient of the first unit."""
         n = len(self.units)
         prefetch = self.config.prefetch
         pending = self._gather(n - 1)
@@ -214,6 +214,7 @@ class ZeRO3Model(_ReduceScatterUnits, ShardedModel):
             self._progress_reduce_scatter(wait=False)
             if not prefetch and u > 0:
                 pending = self._gather(u - 1)
+        return dy
 
     def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
         sl = slice(0, self.layout.local_size)

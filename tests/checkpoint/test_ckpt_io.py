@@ -351,12 +351,12 @@ def test_reads_other_layouts_through_h5py(tmp_path):
 
 
 def test_io_mode_environment(tmp_path, monkeypatch):
-    from mpidist.checkpoint import io as ckpt_io
+    from mpidist.checkpoint import save as ckpt_save
 
     used = []
-    for mode in ("_save_posix", "_save_mpio", "_save_serial"):
-        real = getattr(ckpt_io, mode)
-        monkeypatch.setattr(ckpt_io, mode,
+    for mode in ("save_posix", "save_mpio", "save_serial"):
+        real = getattr(ckpt_save, mode)
+        monkeypatch.setattr(ckpt_save, mode,
                             lambda *a, _real=real, _mode=mode: used.append(_mode) or _real(*a))
     monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", "lustre")
     with pytest.raises(CheckpointError, match="MPIDIST_CHECKPOINT_IO='lustre'"):
@@ -364,9 +364,9 @@ def test_io_mode_environment(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="MPIDIST_CHECKPOINT_IO='lustre'"):
         read_pieces(tmp_path, [])
     assert os.listdir(tmp_path) == []
-    for env, expect in (("mpio", "_save_posix"),  # mpio needs more than one rank
-                        ("serial", "_save_serial"), ("POSIX", "_save_posix"),
-                        ("", "_save_posix")):
+    for env, expect in (("mpio", "save_posix"),  # mpio needs more than one rank
+                        ("serial", "save_serial"), ("POSIX", "save_posix"),
+                        ("", "save_posix")):
         monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", env)
         used.clear()
         _, values = save(tmp_path)
@@ -378,21 +378,21 @@ def test_io_mode_environment(tmp_path, monkeypatch):
     save(tmp_path, serial=False)  # serial=False overrides MPIDIST_CHECKPOINT_IO=serial
     monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", "serial")
     save(tmp_path, serial=False)
-    assert used == ["_save_posix", "_save_posix"]
+    assert used == ["save_posix", "save_posix"]
 
 
 def test_pread_past_end_is_corruption(tmp_path):
-    from mpidist.checkpoint import io as ckpt_io
+    from mpidist.checkpoint import storage as ckpt_io
 
     f = tmp_path / "short.bin"
     f.write_bytes(np.arange(4, dtype="<f4").tobytes())
     fd = os.open(f, os.O_RDONLY)
     try:
         out = np.empty(3, dtype=np.float32)
-        ckpt_io._pread_array(fd, 4, out, np.dtype("<f4"), str(f))
+        ckpt_io.pread_array(fd, 4, out, np.dtype("<f4"), str(f))
         assert out.tolist() == [1, 2, 3]
         with pytest.raises(CorruptCheckpointError, match="truncated"):
-            ckpt_io._pread_array(fd, 8, out, np.dtype("<f4"), str(f))
+            ckpt_io.pread_array(fd, 8, out, np.dtype("<f4"), str(f))
     finally:
         os.close(fd)
 
@@ -408,15 +408,15 @@ def _checksum_attrs(path):
 def test_fused_checksums_and_writeback_match_serial(tmp_path, monkeypatch):
     """The posix mode checksums chunk by chunk while writing and patches the attributes
     afterwards; tiny chunks and writeback ranges give the serial mode's sums and bytes."""
-    from mpidist.checkpoint import io as ckpt_io
+    from mpidist.checkpoint import storage as ckpt_io
 
     ref, values = save(tmp_path / "serial", serial=True)
     expect = _checksum_attrs(ref)
     monkeypatch.setattr(ckpt_io, "FUSED_CHUNK_BYTES", 12)  # 3 float32 / 1.5 float64
     calls = []
-    real = ckpt_io._sync_file_range()
+    real = ckpt_io.sync_file_range()
     if real is not None:
-        monkeypatch.setattr(ckpt_io, "_sync_file_range",
+        monkeypatch.setattr(ckpt_io, "sync_file_range",
                             lambda: lambda *a: calls.append(a[1:3]) or real(*a))
     for mb in ("0", "0.00002", "32"):
         monkeypatch.setenv("MPIDIST_CHECKPOINT_WRITEBACK_MB", mb)

@@ -32,7 +32,7 @@ from mpidist.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from mpidist.checkpoint import io as ckpt_io
+from mpidist.checkpoint import save as ckpt_save
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -69,14 +69,14 @@ def test_sharded_save_resharded_load(comm, shared_dir, mode, monkeypatch):
     monkeypatch.setenv("MPIDIST_CHECKPOINT_IO", mode)
     serial = None
     used = []
-    for fn in ("_save_posix", "_save_mpio", "_save_serial"):
-        real = getattr(ckpt_io, fn)
-        monkeypatch.setattr(ckpt_io, fn,
+    for fn in ("save_posix", "save_mpio", "save_serial"):
+        real = getattr(ckpt_save, fn)
+        monkeypatch.setattr(ckpt_save, fn,
                             lambda *a, _real=real, _fn=fn: used.append(_fn) or _real(*a))
     path, values = _save(comm, shared_dir, serial=serial)
     if mode == "mpio" and not h5py.get_config().mpi:
         mode = "posix"
-    assert used == [f"_save_{mode}"]
+    assert used == [f"save_{mode}"]
     assert os.path.exists(path) and latest_checkpoint(shared_dir) == path
     # Same sharding.
     reqs = empty_requests(comm.size, comm.rank)

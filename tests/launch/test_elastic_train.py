@@ -1,4 +1,4 @@
-"""``--strategy elastic`` of the main job (run_elastic_training): a scale-up asked for
+"""``--strategy elastic`` of the main job (the one loop of mpidist.run): a scale-up asked for
 through ``<out>/elastic-target`` while training, with the losses of a fixed-size run."""
 
 from __future__ import annotations

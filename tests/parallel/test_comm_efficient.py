@@ -263,11 +263,11 @@ def test_inflight_allreduce_buffer_outlives_its_owner(comm):
     import gc
     import weakref
 
-    from mpidist.parallel import communication as ce
+    from mpidist.parallel import exchange as ce
 
     buf = np.full(1000, float(comm.Get_rank() + 1))
     alive = weakref.ref(buf)
-    chain = ce._Chain(ce._iallreduce(buf, comm), None)
+    chain = ce.RequestChain(ce.iallreduce(buf, comm), None)
     del buf
     gc.collect()
     assert alive() is not None, "an in-flight allreduce lost its buffer"

@@ -9,6 +9,7 @@ from strategy_helpers import make_case
 from mpidist.buffers import Bucket, ShardedLayout
 from mpidist.optim import SGD
 from mpidist.parallel import DDPOptimizer, ShardingConfiguration
+from mpidist.parallel.codecs import decode16, encode16
 from mpidist.parallel.communication import (
     AsyncSGDOptimizer,
     CountingComm,
@@ -16,8 +17,6 @@ from mpidist.parallel.communication import (
     LocalSGDOptimizer,
     PowerSGDCodec,
     TopKCodec,
-    _decode16,
-    _encode16,
     bf16_decode,
     bf16_encode,
 )
@@ -40,8 +39,8 @@ def test_16bit_chunks_keep_tiny_gradients(kind):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(1000) * 1e-9
     out = np.empty(1001, dtype=np.uint16)
-    _encode16(x, kind, out)
-    back = _decode16(out, kind, np.dtype(np.float64))
+    encode16(x, kind, out)
+    back = decode16(out, kind, np.dtype(np.float64))
     rel = np.abs(back - x).max() / np.abs(x).max()
     assert rel < (2**-10 if kind == "fp16" else 2**-7)
 

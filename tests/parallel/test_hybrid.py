@@ -84,7 +84,8 @@ def replicated_identical_over_tp(model) -> None:
     every tp rank."""
     if model.tp_size == 1:
         return
-    views = model.layout.full_views(model.params)
+    full = model.gather_state(model.param_shard) if model.shards_params else model.params
+    views = model.layout.full_views(full)
     names = [n for n in model.stage_names[model.stage] if n not in model.partitions]
     mine = np.concatenate([views[n].reshape(-1) for n in names])
     every = C.allgather(mine, comm=model.tp_comm).reshape(model.tp_size, -1)
@@ -94,7 +95,8 @@ def replicated_identical_over_tp(model) -> None:
 SIZES = factorizations(world_size())
 # (schedule, zero_stage, max_grad_norm): both schedules, with and without ZeRO over dp,
 # with and without clipping by the global norm.
-OPTIONS = [("gpipe", 0, None), ("1f1b", 0, 0.5), ("1f1b", 1, None), ("gpipe", 2, 0.5)]
+OPTIONS = [("gpipe", 0, None), ("1f1b", 0, 0.5), ("1f1b", 1, None), ("gpipe", 2, 0.5),
+           ("1f1b", 3, 0.5)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -186,8 +188,8 @@ def test_bad_input_raises_on_every_rank(comm):
     with pytest.raises(ValueError, match=f"does not equal the world size {n}"):
         HybridShardedOptimizer(make_opt(), cfg, pipeline_parallel_size=n + 1,
                                data_parallel_size=1, comm=comm)
-    with pytest.raises(ValueError, match="zero_stage=3"):
-        HybridShardedOptimizer(make_opt(), cfg, zero_stage=3, comm=comm)
+    with pytest.raises(ValueError, match="zero_stage=4"):
+        HybridShardedOptimizer(make_opt(), cfg, zero_stage=4, comm=comm)
     with pytest.raises(ValueError, match="schedule='interleaved'"):
         HybridShardedOptimizer(make_opt(), cfg, schedule="interleaved", comm=comm)
     mesh = ProcessMesh(comm, pp=n)

@@ -1,0 +1,30 @@
+"""A communicator or none: the helpers every layer uses to talk about one.
+
+``comm=None`` means one process without MPI (size 1, rank 0). mpi4py is imported only when
+a communicator is actually used, so everything also runs under plain ``python``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["in_place", "mpi", "size_rank"]
+
+
+def mpi() -> Any:
+    """The ``mpi4py.MPI`` module (imported on first use)."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def in_place() -> Any:
+    """``MPI.IN_PLACE``."""
+    return mpi().IN_PLACE
+
+
+def size_rank(comm: Any) -> tuple[int, int]:
+    """``(size, rank)`` of ``comm``; ``(1, 0)`` for None. Not collective."""
+    if comm is None:
+        return 1, 0
+    return comm.Get_size(), comm.Get_rank()

@@ -1,0 +1,82 @@
+"""The step loop every training run goes through: sample, batch, step, then the hooks.
+
+:func:`run_steps` is the only place where mpidist iterates training steps. It is used by
+:meth:`ShardedOptimizer.optimize` (no hooks but a recorder), and by ``mpidist train``
+(:mod:`mpidist.run`), whose metrics, progress bar, evaluation, checkpoints, elastic resizing
+and preemption are hooks. Every strategy runs through it unchanged.
+
+A hook is any object with some of these methods (each optional):
+
+* ``after_step(model, record)`` — after every step, on every rank, with a
+  :class:`StepRecord`;
+* ``between_steps(model, record) -> model | None`` — after every ``after_step`` of the
+  step, before the next one (also after the last step); returns the model to train on next
+  (a new object after an elastic resize) or None to stop the loop on this rank (a worker
+  that left the job, or a preempted run after its checkpoint).
+
+Hooks run in order; a hook that stops the loop skips those after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LoopOutcome", "StepRecord", "run_steps"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step produced, as the hooks see it."""
+
+    step: int  #: the optimizer's step count after this step (1 after the first step)
+    loss: float  #: the global loss of the step, identical on every rank
+    seconds: float  #: wall time of sampling, batching and the step on this rank
+    samples: int  #: samples of the global batch
+    tokens: int  #: target elements (tokens) of the global batch
+
+
+@dataclass
+class LoopOutcome:
+    """How :func:`run_steps` ended."""
+
+    model: Any  #: the model to continue with, or None when a hook stopped the loop
+    steps: int  #: steps taken by this call on this rank
+    last: StepRecord | None  #: the last step's record (None if no step was taken)
+    stopped: bool  #: whether a hook stopped the loop before ``until``
+
+
+def run_steps(opt: Any, model: Any, data: Any, *, until: int, sampler: Any,
+              hooks: Sequence[Any] = ()) -> LoopOutcome:
+    """Train until ``opt.step_count`` reaches ``until``. Collective over the dp group.
+
+    ``data`` is anything with ``batch(indices) -> (x, y)``; ``sampler`` a
+    :class:`~mpidist.data.GlobalBatchSampler`, whose ``next_local`` gives this rank its
+    slice of the global batch. The loop condition is the optimizer's step count, not a
+    local counter, so that workers joining an elastic job mid-run run the same loop.
+    """
+    steps = 0
+    last: StepRecord | None = None
+    after = [h.after_step for h in hooks if hasattr(h, "after_step")]
+    between = [h.between_steps for h in hooks if hasattr(h, "between_steps")]
+    while opt.step_count < until:
+        t0 = time.perf_counter()
+        idx = sampler.next_local(model.dp_rank, model.dp_size)
+        x, y = data.batch(idx)
+        loss = opt.step(model, (x, y))
+        last = StepRecord(step=int(opt.step_count), loss=float(loss),
+                          seconds=time.perf_counter() - t0,
+                          samples=len(idx) * model.dp_size,
+                          tokens=int(np.asarray(y).size) * model.dp_size)
+        steps += 1
+        for fn in after:
+            fn(model, last)
+        for fn in between:
+            model = fn(model, last)
+            if model is None:
+                return LoopOutcome(None, steps, last, True)
+    return LoopOutcome(model, steps, last, False)

@@ -1,0 +1,148 @@
+"""The training state of a strategy optimizer as named full tensors: ``state_dict`` /
+``load_state_dict``, self-describing bytes (``serialize`` / ``deserialize``) and HDF5
+checkpoints (``save`` / ``load``). A mixin of :class:`~mpidist.parallel.engine.ShardedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TrainingStateMixin", "check_names"]
+
+
+class TrainingStateMixin:
+    """State methods of :class:`~mpidist.parallel.engine.ShardedOptimizer` (which provides
+    ``_require_model``, ``state``, ``base``, ``sampler``, ``step_count`` and ``strategy``)."""
+
+    # Provided by ShardedOptimizer.
+    state: Any
+    base: Any
+    sampler: Any
+    step_count: int
+    strategy: str
+    _pieces: list[Any]
+    _data_state: dict[str, Any] | None
+
+    def _require_model(self) -> Any:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters and optimizer state as full named arrays. Collective over dp.
+
+        ``{"strategy", "step", "optimizer": {...}, "params": {name: array},
+        "state": {state_name: {name: array}}}`` — the same on every rank, and loadable by
+        any strategy at any data-parallel size (:meth:`load_state_dict`).
+        """
+        model = self._require_model()
+        assert self.state is not None
+        params = model.full_parameters()
+        state = {key: model.state_tensors(local) for key, local in self.state.buffers.items()}
+        return {
+            "strategy": self.strategy,
+            "step": int(self.state.step),
+            "steps_taken": int(self.step_count),
+            "optimizer": self.base.config(),
+            "params": params,
+            "state": state,
+            "data": None if self.sampler is None else self.sampler.state_dict(),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of any strategy and size. Not collective.
+
+        Raises ValueError naming missing or unexpected parameters and shape mismatches.
+        """
+        model = self._require_model()
+        assert self.state is not None
+        expected = model.tensor_shapes()
+        check_names("parameters", expected, d.get("params", {}))
+        if d.get("optimizer", {}).get("name") != self.base.name:
+            raise ValueError(
+                f"state dict is for optimizer {d.get('optimizer', {}).get('name')!r}, "
+                f"this one is {self.base.name!r}"
+            )
+        state = d.get("state", {})
+        if sorted(state) != sorted(self.state.buffers):
+            raise ValueError(
+                f"optimizer state names {sorted(state)} differ from {sorted(self.state.buffers)}"
+            )
+        for key in state:
+            check_names(f"optimizer state {key!r}", expected, state[key])
+        model.load_full_parameters(d["params"])
+        for key, local in self.state.buffers.items():
+            model.load_state_tensors(state[key], local)
+        self.state.step = int(d["step"])
+        self.step_count = int(d.get("steps_taken", d["step"]))
+        data = d.get("data")
+        if data is not None:
+            if self.sampler is not None:
+                self.sampler.load_state_dict(data)
+            else:
+                self._data_state = dict(data)
+        for _, _, st in self._pieces:
+            st.step = self.state.step
+
+    def save(self, path: str, *, keep: int | None = None,
+             extra: dict[str, Any] | None = None) -> str:
+        """Save model and optimizer state as one parallel-HDF5 checkpoint at ``path``.
+
+        Collective over the model's mesh (every rank). Each rank writes its own elements of
+        the global named tensors; the file is written under a temporary name and renamed
+        when complete, and the directory's ``latest`` pointer moves to it. Delegates to
+        :func:`mpidist.checkpoint.training.save_training` (imported on call: the checkpoint
+        layer sits above the strategies).
+        """
+        from mpidist.checkpoint.training import save_training
+
+        model = self._require_model()
+        assert self.state is not None
+        return save_training(os.path.dirname(os.path.abspath(path)), self, step=self.state.step,
+                             keep=keep, comm=model.mesh.comm, extra=extra, path=path)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Load a checkpoint saved by any strategy at any world size or mesh. Collective
+        over the model's mesh; returns the checkpoint's attributes."""
+        from mpidist.checkpoint.training import load_training
+
+        model = self._require_model()
+        return load_training(path, self, comm=model.mesh.comm)
+
+    def serialize(self) -> bytes:
+        """The whole training state as self-describing bytes (no pickle). Collective."""
+        from mpidist.parallel.serialization import dumps
+
+        return dumps(self.state_dict(), model_layout=self._require_model().global_layout)
+
+    def deserialize(self, data: bytes) -> None:
+        """Restore from :meth:`serialize` bytes of the same strategy and model. Not collective.
+
+        Refuses bytes of another strategy, model (names or shapes) or format version with a
+        ValueError that says what differs.
+        """
+        from mpidist.parallel.serialization import loads
+
+        model = self._require_model()
+        d = loads(data, expect_strategy=self.strategy, model_layout=model.global_layout)
+        self.load_state_dict(d)
+
+
+def check_names(what: str, expected: dict[str, tuple], got: dict[str, Any]) -> None:
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    shapes = sorted(
+        f"{n}: {tuple(np.shape(got[n]))} != {expected[n]}"
+        for n in set(expected) & set(got) if tuple(np.shape(got[n])) != tuple(expected[n])
+    )
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        if shapes:
+            parts.append(f"shape mismatch {shapes}")
+        raise ValueError(f"{what} do not match the model: " + "; ".join(parts))
+

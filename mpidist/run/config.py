@@ -1,0 +1,250 @@
+"""The settings of a training run: :class:`TrainConfig`, the TOML file and the flags.
+
+Every flag of ``mpidist train`` has a TOML key of the same name with ``_`` for ``-``
+(``--global-batch`` ↔ ``global_batch``); flags given on the command line override the file,
+which overrides the defaults. Validation is pure (no communication), so every rank raises
+the same error for the same input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+__all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
+           "check_output_directory", "load_toml"]
+
+STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "elastic", "localsgd",
+                  "compressed", "async")
+COMPRESSION_METHODS = ("fp16", "bf16", "topk", "powersgd")
+
+_POSITIVE = ("global_batch", "steps", "micro_batches", "n_layer", "n_head", "n_embd",
+             "block_size", "vocab_size", "keep", "eval_batches", "sync_period",
+             "powersgd_rank")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run (the flags of ``mpidist train``)."""
+
+    out: str = "runs/train"
+    strategy: str = "ddp"
+    pp: int = 1
+    tp: int = 1
+    dp: int = -1
+    zero_stage: int = 0
+    sync_period: int = 8
+    compression: str = "topk"
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 4
+    staleness: int = 1
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    global_batch: int = 32
+    steps: int = 600
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    vocab_size: int = 256
+    data: str | None = None
+    checkpoint_interval: int = 200
+    keep: int = 3
+    resume: bool = False
+    requeue: bool = False
+    eval_interval: int = 50
+    eval_batches: int = 4
+    bucket_mb: float = 25.0
+    min_workers: int = 1
+    max_workers: int = 1024
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, f.type, getattr(self, f.name))
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGY_NAMES}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32 or float64")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule={self.schedule!r} must be gpipe or 1f1b")
+        if self.compression not in COMPRESSION_METHODS:
+            raise ValueError(f"compression={self.compression!r} is not one of "
+                             f"{COMPRESSION_METHODS}")
+        for name in _POSITIVE:
+            v = getattr(self, name)
+            if v < (0 if name == "steps" else 1):
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        for name in ("checkpoint_interval", "eval_interval", "staleness", "warmup_steps"):
+            v = getattr(self, name)
+            if v < 0:
+                raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        if not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1]")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.vocab_size < 256:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is smaller than the 256 byte values of the corpus"
+            )
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0")
+        if self.global_batch % self.micro_batches:
+            raise ValueError(f"--global-batch {self.global_batch} is not divisible by "
+                             f"--micro-batches {self.micro_batches}")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ValueError(f"data={self.data!r}: no such file or directory")
+
+    @classmethod
+    def from_sources(cls, toml: dict[str, Any], flags: dict[str, Any]) -> TrainConfig:
+        """Defaults, overridden by the TOML file, overridden by the flags given."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(toml) - known)
+        if unknown:
+            raise ValueError(f"unknown keys in the config file: {unknown}")
+        for f in fields(cls):
+            if f.name in toml:
+                _check_type(f.name, f.type, toml[f.name], where="config file key ")
+        merged = {**toml, **{k: v for k, v in flags.items() if v is not None}}
+        return cls(**merged)
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default value of setting ``name``."""
+        for f in fields(cls):
+            if f.name == name:
+                return f.default if f.default is not MISSING else None
+        raise KeyError(name)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+    "float | None": (int, float, type(None)), "str | None": (str, type(None)),
+}
+
+
+def _check_type(name: str, annotation: Any, value: Any, where: str = "") -> None:
+    """Raise a ValueError naming ``name`` if ``value`` is not of the setting's type."""
+    want = _TYPES[str(annotation)]
+    if isinstance(value, bool) and bool not in want:
+        ok = False
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        kind = str(annotation).replace(" | None", "")
+        raise ValueError(f"{where}{name}={value!r} must be of type {kind} "
+                         f"(got {type(value).__name__})")
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML run file; its keys are the flag names with ``_`` for ``-``."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path!r}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path!r}: {exc}") from None
+    # Accept a [train] table or top-level keys.
+    data = data.get("train", data)
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def check_output_directory(out: str) -> None:
+    """Raise a ValueError if ``out`` cannot be created or written. Not collective.
+
+    Every rank checks the same path, so on a shared file system every rank raises the same
+    error before anything is communicated or written.
+    """
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise ValueError(f"--out {out!r} exists and is not a directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out!r} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r} cannot be created: {parent!r} is not writable")
+
+
+# (flag, type or action, choices, help) of every setting, in the order of --help.
+_FLAGS: list[tuple[str, Any, Any, str]] = [
+    ("--out", str, None, "output directory: checkpoints, metrics, events, plot"),
+    ("--strategy", str, STRATEGY_NAMES, "how the work is distributed"),
+    ("--pp", int, None, "pipeline-parallel size (--strategy hybrid)"),
+    ("--tp", int, None, "tensor-parallel size (--strategy hybrid)"),
+    ("--dp", int, None, "data-parallel size; -1: the ranks left"),
+    ("--zero-stage", int, (0, 1, 2, 3),
+     "ZeRO stage of --strategy hybrid or elastic (0: replicated)"),
+    ("--sync-period", int, None, "local steps between averages (--strategy localsgd)"),
+    ("--compression", str, COMPRESSION_METHODS, "gradient codec (--strategy compressed)"),
+    ("--topk-ratio", float, None, "fraction of each bucket sent (--compression topk)"),
+    ("--powersgd-rank", int, None, "rank of the factors (--compression powersgd)"),
+    ("--staleness", int, None, "steps a gradient may stay in flight (--strategy async)"),
+    ("--schedule", str, ("gpipe", "1f1b"), "pipeline schedule (--pp > 1)"),
+    ("--micro-batches", int, None, "micro-batches per step"),
+    ("--global-batch", int, None, "samples per step over all ranks"),
+    ("--steps", int, None, "optimizer steps of the whole run"),
+    ("--dtype", str, ("float32", "float64"), "parameter and gradient dtype"),
+    ("--optimizer", str, None, "adamw, adam, sgd, rmsprop, adagrad or lion"),
+    ("--lr", float, None, "peak learning rate"),
+    ("--min-lr", float, None, "final learning rate of the cosine decay"),
+    ("--warmup-steps", int, None, "steps of linear warm-up"),
+    ("--weight-decay", float, None, "weight decay"),
+    ("--max-grad-norm", float, None, "clip by global norm"),
+    ("--seed", int, None, "seed of the initial weights and of the sampler"),
+    ("--n-layer", int, None, "transformer blocks"),
+    ("--n-head", int, None, "attention heads"),
+    ("--n-embd", int, None, "embedding width"),
+    ("--block-size", int, None, "tokens per sample"),
+    ("--vocab-size", int, None, "vocabulary (>= 256: tokens are bytes)"),
+    ("--data", str, None,
+     "train on this text file or directory of files, byte-level; none: the embedded corpus"),
+    ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
+    ("--keep", int, None, "checkpoints to keep"),
+    ("--resume", "store_const", None, "continue from the latest checkpoint under --out"),
+    ("--requeue", "store_const", None,
+     "on SIGTERM/SIGUSR1, after the checkpoint, requeue the Slurm job (scontrol requeue)"),
+    ("--eval-interval", int, None, "steps between validation losses (0: only at the end)"),
+    ("--eval-batches", int, None, "global batches per validation loss"),
+    ("--bucket-mb", float, None, "gradient bucket size in MiB"),
+    ("--min-workers", int, None, "fewest workers of --strategy elastic"),
+    ("--max-workers", int, None, "most workers of --strategy elastic"),
+]
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every setting of :class:`TrainConfig` as a flag, with its help and default.
+
+    The flags default to None so that only the flags given override the TOML file.
+    """
+    p.add_argument("--config", help="TOML file with any of the settings below, keys as the "
+                   "flags with _ for - (default: none)")
+    for flag, kind, choices, text in _FLAGS:
+        default = TrainConfig.default(flag[2:].replace("-", "_"))
+        shown = "none" if default is None else ("off" if default is False else default)
+        help_text = f"{text} (default: {shown})"
+        if kind == "store_const":
+            p.add_argument(flag, action="store_const", const=True, help=help_text)
+        else:
+            p.add_argument(flag, type=kind, choices=choices, help=help_text)
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                   help="no progress bar (default: a bar on rank 0)")

@@ -1,0 +1,333 @@
+"""``run_training``: the one training loop of ``mpidist train``, for every strategy.
+
+The steps themselves go through :func:`mpidist.parallel.loop.run_steps`; everything a run
+does around them is a hook here: metrics and the progress bar, validation, checkpoints,
+preemption (:mod:`mpidist.run.preempt`) and elastic resizing (:mod:`mpidist.run.elastic`).
+
+Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per step with ``step`` and
+``loss``, and validation rows), ``events.jsonl`` (start, resume, checkpoint, preempted,
+elastic changes, end), checkpoints ``ckpt-<step>.h5`` with a ``latest`` pointer,
+``loss.png`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from mpidist import collectives as C
+from mpidist.parallel.loop import run_steps
+from mpidist.run.build import inner_strategy, make_data, make_model, make_strategy
+from mpidist.run.config import TrainConfig, check_output_directory
+from mpidist.run.elastic import ElasticHook
+from mpidist.run.logs import setup_logging
+from mpidist.run.outputs import JsonLines, Progress, write_summary
+from mpidist.run.preempt import (
+    EXIT_PREEMPTED,
+    PREEMPT_SIGNALS,
+    Preemption,
+    requeue_slurm_job,
+    requeued_start,
+    signal_name,
+)
+
+__all__ = ["EXIT_PREEMPTED", "run_training"]
+
+log = logging.getLogger("mpidist.train")
+
+_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak")
+_EVAL_SEED = 1234
+
+
+def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
+    """Run a training job. Collective over ``comm`` (default COMM_WORLD); returns the summary.
+
+    Every rank validates the configuration identically before any communication, so bad
+    settings raise the same ValueError everywhere. A preempted run (SIGTERM or SIGUSR1)
+    returns after its checkpoint with ``summary["preempted"]`` set to the signal's name; a
+    worker that left an elastic job returns ``{"left": True, ...}``.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    run = _Run(cfg, comm)
+    try:
+        return run.execute()
+    finally:
+        run.preemption.restore()
+
+
+class _Run:
+    """One run's objects and hooks; :meth:`execute` is the whole run."""
+
+    def __init__(self, cfg: TrainConfig, comm: Any) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        self.elastic = cfg.strategy == "elastic"
+        self.joiner = False
+        if self.elastic:
+            from mpidist.parallel import ElasticOptimizer
+
+            self.joiner = ElasticOptimizer.is_joiner()
+        setup_logging(1 if self.joiner else comm.Get_rank())  # a joiner is never rank 0
+        check_output_directory(cfg.out)
+        # Elastic jobs keep SIGTERM for "this worker leaves"; SIGUSR1 preempts them.
+        signals = [s for s in PREEMPT_SIGNALS if not (self.elastic and s == signal.SIGTERM)]
+        self.preemption = Preemption(signals)
+        self.preemption.install()
+        self.preemption_hook = _PreemptHook(self)
+        self.opt = make_strategy(cfg, comm)
+        self.io_seconds = 0.0
+        self.last_saved = -1
+        self.val_loss = float("nan")
+        self.preempted = ""
+        self.metrics = JsonLines(os.path.join(cfg.out, "metrics.jsonl"), self.is_root)
+        self.events = JsonLines(os.path.join(cfg.out, "events.jsonl"), self.is_root)
+
+    # -- who is who --------------------------------------------------------------------------
+    def job_comm(self) -> Any:
+        """The communicator of every rank of the job now (elastic: the current workers)."""
+        return self.opt.comm if self.elastic else self.comm
+
+    def is_root(self) -> bool:
+        comm = self.job_comm()
+        return comm is not None and comm.Get_rank() == 0
+
+    def world_size(self) -> int:
+        return self.opt.current_workers if self.elastic else self.comm.Get_size()
+
+    # -- the run -------------------------------------------------------------------------------
+    def execute(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_setup = time.perf_counter()
+        if not self.joiner:
+            self._make_out()
+        self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
+        self._check_batch(self.model)
+        self.train_data, self.val_data = make_data(cfg)
+        from mpidist.data import GlobalBatchSampler
+
+        self.opt.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch,
+                                              seed=cfg.seed)
+        if not self.joiner:
+            start = self._maybe_resume()
+            self._start(start)
+        self.progress = Progress(cfg.steps, self.opt.step_count,
+                                 enabled=self.is_root() and cfg.progress)
+        hooks: list[Any] = [self, self.preemption_hook]
+        elastic = ElasticHook(self.opt, cfg) if self.elastic else None
+        if elastic is not None:
+            hooks.append(elastic)
+        t_train = time.perf_counter()
+        try:
+            outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
+                                sampler=self.opt.sampler, hooks=hooks)
+        finally:
+            self.progress.close()
+        seconds = time.perf_counter() - t_train
+        self.model = outcome.model if outcome.model is not None else self.opt.model
+        if elastic is not None and elastic.left:
+            return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
+        return self._finish(outcome, seconds, t_train - t_setup)
+
+    def _make_out(self) -> None:
+        """Rank 0 creates ``--out``; every rank raises the same error if it cannot."""
+        error = ""
+        if self.comm.Get_rank() == 0:
+            try:
+                os.makedirs(self.cfg.out, exist_ok=True)
+            except OSError as exc:
+                error = f"--out {self.cfg.out!r} cannot be created: {exc.strerror or exc}"
+        if self.comm.Get_size() > 1:  # the message as bytes: no pickle
+            n = np.array([len(error.encode())], dtype=np.int64)
+            self.comm.Bcast(n, root=0)
+            buf = np.frombuffer(error.encode(), dtype=np.uint8).copy() if error else \
+                np.zeros(int(n[0]), dtype=np.uint8)
+            self.comm.Bcast(buf, root=0)
+            error = buf.tobytes().decode()
+        if error:
+            raise ValueError(error)
+
+    def _check_batch(self, model: Any) -> None:
+        cfg = self.cfg
+        if cfg.global_batch % (model.dp_size * cfg.micro_batches):
+            raise ValueError(
+                f"--global-batch {cfg.global_batch} does not divide into {model.dp_size} "
+                f"data-parallel ranks x {cfg.micro_batches} micro-batches"
+            )
+
+    def _maybe_resume(self) -> int:
+        cfg = self.cfg
+        restart = int(os.environ.get("MPIDIST_RESTART", "0") or 0)
+        if not (cfg.resume or restart > 0 or (cfg.requeue and requeued_start())):
+            return 0
+        from mpidist.checkpoint.training import load_training, resolve_resume
+
+        path = resolve_resume(cfg.out)
+        if path is None:
+            if self.is_root():
+                log.warning("--resume: no checkpoint under %s; starting from step 0", cfg.out)
+            return 0
+        t0 = time.perf_counter()
+        load_training(path, self.opt, comm=self.job_comm())
+        self.io_seconds += time.perf_counter() - t0
+        step = self.opt.step_count
+        self.events.write(event="resume", step=step, world_size=self.world_size(),
+                          checkpoint=os.path.basename(path), time=time.time(),
+                          **({"restart": restart} if restart else {}))
+        if self.is_root():
+            log.info("resumed from %s at step %d on %d ranks", path, step, self.world_size())
+        return step
+
+    def _start(self, start: int) -> None:
+        cfg = self.cfg
+        extra: dict[str, Any] = {}
+        if self.elastic:
+            extra = {"inner": inner_strategy(cfg), "min_workers": self.opt.min_workers,
+                     "max_workers": self.opt.max_workers}
+        self.events.write(event="start", step=start, world_size=self.world_size(),
+                          strategy=cfg.strategy, mesh=_mesh_dict(self.model),
+                          config=dataclasses.asdict(cfg), time=time.time(), **extra)
+        if self.is_root():
+            n_params = sum(int(np.prod(s)) for _, s in make_model(cfg).named_parameter_shapes())
+            print(f"mpidist train: {cfg.strategy} on {self.world_size()} rank(s) "
+                  f"{_mesh_dict(self.model)}, GPT {cfg.n_layer}x{cfg.n_embd} ({n_params:,} "
+                  f"parameters), {cfg.dtype}, global batch {cfg.global_batch} x "
+                  f"{cfg.block_size} tokens, steps {start}->{cfg.steps}", flush=True)
+            mesh = getattr(self.model, "mesh", None)
+            if mesh is not None and hasattr(mesh, "node_banner"):
+                print(mesh.node_banner(), end="", flush=True)  # the layout by node
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def after_step(self, model: Any, rec: Any) -> None:
+        """Metrics, progress, validation and periodic checkpoints (every rank)."""
+        cfg = self.cfg
+        lr = self.opt.lr_schedule(rec.step - 1) if self.opt.lr_schedule is not None else cfg.lr
+        workers = {"workers": self.world_size()} if self.elastic else {}
+        tok_s = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
+        self.metrics.write(step=rec.step, loss=rec.loss, split="train", lr=lr,
+                           seconds=rec.seconds, tokens_per_s=tok_s, **workers)
+        self.progress.update(rec.step, rec.loss, tok_s, workers.get("workers"))
+        if not np.isfinite(rec.loss):
+            raise FloatingPointError(f"loss became {rec.loss} at step {rec.step}; lower --lr")
+        s = rec.step
+        if cfg.eval_interval and (s % cfg.eval_interval == 0 or s == cfg.steps):
+            self._evaluate(model, s)
+        if cfg.checkpoint_interval and s % cfg.checkpoint_interval == 0 or s == cfg.steps:
+            self._save(s)
+
+    def _evaluate(self, model: Any, step: int) -> None:
+        cfg = self.cfg
+        self.val_loss = self.opt.evaluate(model, self.val_data, batches=cfg.eval_batches,
+                                          global_batch_size=cfg.global_batch, seed=_EVAL_SEED)
+        self.metrics.write(step=step, loss=self.val_loss, split="validation")
+
+    def _save(self, step: int, **event: Any) -> None:
+        from mpidist.checkpoint.training import save_training
+
+        t0 = time.perf_counter()
+        path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
+                             comm=self.job_comm(),
+                             extra={"train_config": dataclasses.asdict(self.cfg)})
+        dt = time.perf_counter() - t0
+        self.io_seconds += dt
+        self.last_saved = step
+        self.events.write(event="checkpoint", step=step, world_size=self.world_size(),
+                          path=os.path.basename(path), seconds=dt, time=time.time(), **event)
+
+    # -- the end -------------------------------------------------------------------------------
+    def _finish(self, outcome: Any, seconds: float, setup_seconds: float) -> dict[str, Any]:
+        cfg = self.cfg
+        loss = outcome.last.loss if outcome.last is not None else float("nan")
+        step = self.opt.step_count
+        if not self.preempted:
+            if not np.isfinite(self.val_loss) or cfg.eval_interval == 0:
+                self._evaluate(self.model, cfg.steps)
+            if self.last_saved != cfg.steps and cfg.steps > 0 and step == cfg.steps \
+                    and outcome.steps:
+                self._save(cfg.steps)
+        summary = self._summary(loss, seconds, setup_seconds, outcome.steps)
+        self.events.write(event="end", step=step, world_size=self.world_size(),
+                          time=time.time(), final_loss=loss, validation_loss=self.val_loss,
+                          **({"preempted": self.preempted} if self.preempted else {}))
+        if self.is_root():
+            write_summary(summary, cfg.out)
+        self.job_comm().Barrier()
+        if self.elastic:
+            self.opt.free()
+        return summary
+
+    def _summary(self, loss: float, seconds: float, setup: float, steps: int) -> dict[str, Any]:
+        cfg = self.cfg
+        comm = self.job_comm()
+        size = comm.Get_size()
+        memory = self.opt.memory_report()
+        mem = np.array([memory.get(k, 0) for k in _MEM_KEYS], dtype=np.int64)
+        mem_all = C.allgather(mem, comm=comm).reshape(size, len(_MEM_KEYS))
+        timers = dict(self.opt.timers)
+        tokens_per_step = cfg.global_batch * cfg.block_size
+        summary: dict[str, Any] = {
+            "strategy": cfg.strategy,
+            "world_size": self.world_size(),
+            "mesh": _mesh_dict(self.model),
+            "steps": cfg.steps,
+            "steps_done": int(self.opt.step_count),
+            "steps_this_run": steps,
+            "final_train_loss": loss,
+            "final_validation_loss": self.val_loss,
+            "unigram_baseline": self.train_data.unigram_baseline(),
+            "tokens_per_second": tokens_per_step * steps / seconds if steps else 0.0,
+            "seconds": seconds,
+            "time_split_seconds": {"compute": timers.get("compute", 0.0),
+                                   "communication": timers.get("communication", 0.0),
+                                   "update": timers.get("update", 0.0), "io": self.io_seconds},
+            "memory_bytes_per_rank": [dict(zip(_MEM_KEYS, map(int, row), strict=True))
+                                      for row in mem_all],
+            "setup_seconds": setup,
+            "preempted": self.preempted or None,
+        }
+        if self.elastic:
+            summary["inner_strategy"] = inner_strategy(cfg)
+            summary["changes"] = [h for h in self.opt.history if h["event"] != "refused"]
+        return summary
+
+
+class _PreemptHook:
+    """Between steps: if any rank got a preemption signal, checkpoint and stop."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def between_steps(self, model: Any, rec: Any) -> Any:
+        run = self.run
+        if rec.step >= run.cfg.steps:
+            return model  # the run ends here anyway, with its final checkpoint
+        signum = run.preemption.agreed(run.job_comm())
+        if not signum:
+            return model
+        run.preempted = signal_name(signum)
+        if run.last_saved != rec.step:
+            run._save(rec.step, reason="preempted")
+        requeue = ""
+        if run.cfg.requeue and run.is_root():
+            requeue = requeue_slurm_job()
+            log.warning("%s", requeue)
+        run.events.write(event="preempted", step=rec.step, signal=run.preempted,
+                         world_size=run.world_size(), exit_status=EXIT_PREEMPTED,
+                         time=time.time(), **({"requeue": requeue} if requeue else {}))
+        if run.is_root():
+            log.warning("%s: stopped after step %d with a checkpoint; exit status %d",
+                        run.preempted, rec.step, EXIT_PREEMPTED)
+        return None
+
+
+def _mesh_dict(model: Any) -> dict[str, int]:
+    s = model.mesh.shape
+    return {"pp": s.pp, "dp": s.dp, "tp": s.tp}

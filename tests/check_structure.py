@@ -1,0 +1,137 @@
+"""The package's shape, checked from its source with ast: the layer order of DESIGN.md (no
+import goes up, no import circle), no module importing another's private names, no file
+over 700 lines and no function over 90.
+
+Not collected by the suite until the whole package passes (a name without ``test_``); run it
+explicitly: ``python -m pytest -q -p no:cacheprovider tests/check_structure.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "mpidist"
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 90
+
+# DESIGN.md: mesh/collectives/buffers/checkpoint <- kernels/optim <- nn <- parallel <- run <-
+# torch/launch/cli. data and the small helpers at the package root sit at the bottom; the
+# subcommands beside the CLI at the top.
+LAYERS: dict[str, int] = {
+    "_version": 0, "_comm": 0, "mesh": 0, "collectives": 0, "buffers": 0, "checkpoint": 0,
+    "data": 0, "kernels": 1, "optim": 1, "nn": 2, "parallel": 3, "plan": 3, "run": 4,
+    "torch": 5, "adapters": 5, "launch": 5, "cli": 5, "train": 5, "demo": 5, "tools_cli": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) of every mpidist import."""
+    tree = ast.parse(MODULES[module].read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names
+                    if a.name.split(".")[0] == "mpidist"]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            if target.split(".")[0] != "mpidist":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub, None, node.lineno) if sub in MODULES
+                           else (target, a.name, node.lineno))
+    return out
+
+
+def test_no_import_goes_up_the_layers():
+    bad = []
+    for module in MODULES:
+        mine = _layer(module)
+        if mine is None:  # the package root re-exports the public API
+            continue
+        for target, _, line in _imports(module):
+            theirs = _layer(target)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{module}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_private_names_of_another():
+    bad = [f"{m}:{line} imports {t}.{name}" for m in MODULES
+           for t, name, line in _imports(m)
+           if name and name.startswith("_") and not name.startswith("__") and t != m]
+    bad += [f"{m}:{line} imports {t}" for m in MODULES for t, name, line in _imports(m)
+            if name is None and t.split(".")[-1].startswith("_")
+            and t.split(".")[-1] not in ("_version", "_comm")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle():
+    graph = {m: {t if t in MODULES else t.rsplit(".", 1)[0] for t, _, _ in _imports(m)} - {m}
+             for m in MODULES if m != "mpidist"}
+    # Importing a package runs its __init__, which re-exports its modules: an edge into a
+    # package from inside it is not a circle of the code, so only edges between modules
+    # of different packages or between plain modules count.
+    def edges(m: str) -> set[str]:
+        return {t for t in graph.get(m, ()) if t in graph and not m.startswith(t + ".")}
+
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges(m)):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_file_and_function_lengths(module: str):
+    path = MODULES[module]
+    lines = path.read_text().count("\n")
+    assert lines <= MAX_FILE_LINES, f"{path.name}: {lines} lines"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{module}: {', '.join(long)}"
