@@ -256,29 +256,13 @@ def activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micr
     return per_layer * (layers / pp) * in_flight
 
 
-def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str = "mixed",
-         layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-         seq_len: int = 2048, micro_batch: int = 1, global_batch: int | None = None,
-         cluster: Cluster | None = None, zero_stages: Sequence[int] = (0, 1, 2, 3),
-         max_tp: int | None = None, **cluster_fields: Any) -> list[dict[str, Any]]:
-    """Every (pp, tp, dp, zero_stage) layout of ``devices`` for a model of ``params``
-    parameters, with predicted memory and step time; layouts that fit first, fastest first.
-
-    Args:
-        params: number of parameters.
-        devices: number of devices (the product pp·tp·dp).
-        optimizer, precision: see :data:`OPTIMIZER_MOMENTS` and :data:`PRECISIONS`.
-        layers, hidden, heads: the transformer's shape (defaults from ``params``).
-        seq_len, micro_batch: tokens per sample and samples per micro-batch.
-        global_batch: samples per step (default ``devices·micro_batch``); a layout whose
-            ``dp·micro_batch`` does not divide it is skipped.
-        cluster: a :class:`Cluster`, or its fields as keyword arguments.
-        max_tp: largest tensor-parallel size (default: devices per node).
-
-    Rows carry ``pp, tp, dp, zero_stage, micro_batches, params_per_device,
-    model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
-    step_time_s, fits``.
-    """
+def _plan_inputs(params: float, devices: int, optimizer: str, precision: str,
+                 layers: int | None, hidden: int | None, heads: int | None, seq_len: int,
+                 micro_batch: int, global_batch: int | None, cluster: Cluster | None,
+                 zero_stages: Sequence[int], max_tp: int | None,
+                 cluster_fields: dict[str, Any]) -> tuple[Any, ...]:
+    """:func:`plan`'s arguments checked (a ValueError naming the bad value) and completed
+    with their defaults."""
     if not (isinstance(params, (int, float)) and math.isfinite(params) and params > 0):
         raise ValueError(f"params={params!r} must be a positive number")
     if cluster is None:
@@ -305,6 +289,36 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
         if z not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {z!r} must be 0, 1, 2 or 3")
     max_tp = cluster.devices_per_node if max_tp is None else max_tp
+    return (cluster, layers, hidden, heads, global_batch, max_tp, act_bytes, p_bytes,
+            g_bytes)
+
+
+def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str = "mixed",
+         layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+         seq_len: int = 2048, micro_batch: int = 1, global_batch: int | None = None,
+         cluster: Cluster | None = None, zero_stages: Sequence[int] = (0, 1, 2, 3),
+         max_tp: int | None = None, **cluster_fields: Any) -> list[dict[str, Any]]:
+    """Every (pp, tp, dp, zero_stage) layout of ``devices`` for a model of ``params``
+    parameters, with predicted memory and step time; layouts that fit first, fastest first.
+
+    Args:
+        params: number of parameters.
+        devices: number of devices (the product pp·tp·dp).
+        optimizer, precision: see :data:`OPTIMIZER_MOMENTS` and :data:`PRECISIONS`.
+        layers, hidden, heads: the transformer's shape (defaults from ``params``).
+        seq_len, micro_batch: tokens per sample and samples per micro-batch.
+        global_batch: samples per step (default ``devices·micro_batch``); a layout whose
+            ``dp·micro_batch`` does not divide it is skipped.
+        cluster: a :class:`Cluster`, or its fields as keyword arguments.
+        max_tp: largest tensor-parallel size (default: devices per node).
+
+    Rows carry ``pp, tp, dp, zero_stage, micro_batches, params_per_device,
+    model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
+    step_time_s, fits``.
+    """
+    cluster, layers, hidden, heads, global_batch, max_tp, act_bytes, p_bytes, g_bytes = \
+        _plan_inputs(params, devices, optimizer, precision, layers, hidden, heads, seq_len,
+                     micro_batch, global_batch, cluster, zero_stages, max_tp, cluster_fields)
 
     tokens = global_batch * seq_len
     rows = []

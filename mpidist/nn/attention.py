@@ -8,7 +8,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from . import fused as F
-from .layers import GELU, LayerNorm, Linear, _positive_int
+from .layers import GELU, LayerNorm, Linear, positive_int
 from .module import Module
 
 __all__ = [
@@ -131,8 +131,8 @@ class CausalSelfAttention(Module):
 
     def __init__(self, n_embd: int, n_head: int, n_layer: int = 1, bias: bool = True) -> None:
         super().__init__()
-        self.n_embd = _positive_int(n_embd, "n_embd")
-        self.n_head = _positive_int(n_head, "n_head")
+        self.n_embd = positive_int(n_embd, "n_embd")
+        self.n_head = positive_int(n_head, "n_head")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
         self.head_dim = self.n_embd // self.n_head
@@ -160,7 +160,7 @@ class FeedForward(Module):
 
     def __init__(self, n_embd: int, n_layer: int = 1, bias: bool = True, hidden: int = 0) -> None:
         super().__init__()
-        n_embd = _positive_int(n_embd, "n_embd")
+        n_embd = positive_int(n_embd, "n_embd")
         hidden = hidden or 4 * n_embd
         self.fc = Linear(n_embd, hidden, bias)
         self.act = GELU()

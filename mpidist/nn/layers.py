@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-def _positive_int(value: object, what: str) -> int:
+def positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{what}={value!r} must be a positive integer")
     return int(value)
@@ -78,8 +78,8 @@ class Linear(Module):
         scale: float | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = _positive_int(in_features, "in_features")
-        self.out_features = _positive_int(out_features, "out_features")
+        self.in_features = positive_int(in_features, "in_features")
+        self.out_features = positive_int(out_features, "out_features")
         self.has_bias = bool(bias)
         if scale is None:
             scale = 0.02 if init == "normal" else fan_in_bound(self.in_features)
@@ -127,8 +127,8 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float = 0.02) -> None:
         super().__init__()
-        self.num_embeddings = _positive_int(num_embeddings, "num_embeddings")
-        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim")
+        self.num_embeddings = positive_int(num_embeddings, "num_embeddings")
+        self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
         self.register_parameter(
             "weight", (self.num_embeddings, self.embedding_dim), "normal", scale
         )
@@ -172,7 +172,7 @@ class LayerNorm(Module):
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
-        self.dim = _positive_int(dim, "dim")
+        self.dim = positive_int(dim, "dim")
         self.eps = float(eps)
         self.register_parameter("weight", (self.dim,), "ones", 1.0)
         self.register_parameter("bias", (self.dim,), "zeros", 0.0)

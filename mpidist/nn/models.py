@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import Block
-from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, _positive_int
+from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, positive_int
 from .module import Module
 
 __all__ = ["GPT", "MLP", "GPTConfig", "GPTEmbedding", "GPTHead", "LMHead", "SequentialModel"]
@@ -55,7 +55,7 @@ class MLP(SequentialModel):
         if len(sizes) < 2:
             raise ValueError(f"sizes={sizes} needs at least an input and an output size")
         for i, s in enumerate(sizes):
-            _positive_int(s, f"sizes[{i}]")
+            positive_int(s, f"sizes[{i}]")
         self.sizes = tuple(int(s) for s in sizes)
         n = len(sizes) - 1
         self.layers = ModuleList(
@@ -90,7 +90,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive_int(getattr(self, field), field)
+            positive_int(getattr(self, field), field)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:

@@ -1,9 +1,6 @@
 """The package's shape, checked from its source with ast: the layer order of DESIGN.md (no
 import goes up, no import circle), no module importing another's private names, no file
 over 700 lines and no function over 90.
-
-Not collected by the suite until the whole package passes (a name without ``test_``); run it
-explicitly: ``python -m pytest -q -p no:cacheprovider tests/check_structure.py``.
 """
 
 from __future__ import annotations
