@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["in_place", "mpi", "size_rank"]
+__all__ = ["in_place", "mpi", "size_rank", "world"]
 
 
 def mpi() -> Any:
@@ -28,3 +28,14 @@ def size_rank(comm: Any) -> tuple[int, int]:
     if comm is None:
         return 1, 0
     return comm.Get_size(), comm.Get_rank()
+
+
+def world(comm: Any = None) -> Any:
+    """``comm``, or every rank (``MPI.COMM_WORLD``) when None. Not collective.
+
+    The one place where the user-facing entry points (``ProcessMesh``, the default mesh of
+    ``ShardingConfiguration``, ``HybridShardedOptimizer``, ``ElasticOptimizer``,
+    ``run_training``, ``mpidist.torch``) resolve their documented default; the code below
+    them takes its communicator from them.
+    """
+    return mpi().COMM_WORLD if comm is None else comm

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.comms import world
 from mpidist.topology import NodeMap, node_ids, topology
 
 __all__ = [
@@ -189,10 +190,7 @@ class ProcessMesh:
         self, comm: Any = None, *, pp: int = 1, tp: int = 1, dp: int = -1,
         placement: str = "node", nodes: Sequence[Any] | None = None,
     ) -> None:
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
+        comm = world(comm)
         self.shape = resolve_shape(comm.Get_size(), pp, tp, dp)
         if placement not in ("node", "launcher"):
             raise ValueError(f"placement={placement!r} is not 'node' or 'launcher'")

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.buffers import ShardedLayout, padded_length
-from mpidist.comms import in_place, mpi
+from mpidist.comms import in_place, mpi, world
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
@@ -353,15 +353,13 @@ class ElasticOptimizer(ShardedOptimizer):
         workers inside their :meth:`maybe_rescale`, and receives parameters, optimizer
         state, step counts and the data position from them.
         """
-        from mpi4py import MPI
-
         from mpidist.mesh import ProcessMesh
 
         self._module = module
         self._seed = int(seed)
         if self.is_joiner() and self._comm is None:
             return self._join(module)
-        comm = self._user_comm if self._user_comm is not None else MPI.COMM_WORLD
+        comm = world(self._user_comm)
         n = comm.Get_size()
         if not self.min_workers <= n <= self.max_workers:
             raise ValueError(f"{n} workers is outside [min_workers={self.min_workers}, "

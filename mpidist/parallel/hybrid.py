@@ -34,6 +34,7 @@ import numpy as np
 
 from mpidist import collectives as C
 from mpidist.buffers import ShardedLayout
+from mpidist.comms import world
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, ZeRO1Model
@@ -80,11 +81,7 @@ def resolve_hybrid_shape(config: ShardingConfiguration, comm: Any = None, pp: in
                 f"tp={s.tp})"
             )
         return s
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-    return resolve_shape(comm.Get_size(), pp, tp, dp)
+    return resolve_shape(world(comm).Get_size(), pp, tp, dp)
 
 
 def _is_gpt(module: Any) -> bool:
