@@ -36,13 +36,14 @@ def run_demo(*, out: str, n_tensors: int = 100, bucket_mb: float = 1.0, comm: An
 
     from mpidist import collectives as C
     from mpidist.buffers import FlatBuffer
+    from mpidist.comms import world
     from mpidist.mesh import ProcessMesh
 
     if n_tensors < 1:
         raise ValueError(f"--tensors={n_tensors} must be >= 1")
     if bucket_mb <= 0:
         raise ValueError(f"--bucket-mb={bucket_mb} must be > 0")
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world(comm)
     size, rank = comm.Get_size(), comm.Get_rank()
     tp = 2 if size % 2 == 0 and size > 2 else 1
     mesh = ProcessMesh(comm, tp=tp)

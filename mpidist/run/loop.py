@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mpidist import collectives as C
+from mpidist.comms import world
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import inner_strategy, make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
@@ -53,11 +54,7 @@ def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
     returns after its checkpoint with ``summary["preempted"]`` set to the signal's name; a
     worker that left an elastic job returns ``{"left": True, ...}``.
     """
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-    run = _Run(cfg, comm)
+    run = _Run(cfg, world(comm))
     try:
         return run.execute()
     finally:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mpidist import collectives as C
+from mpidist.comms import world
 
 __all__ = [
     "REDUCIBLE",
@@ -61,9 +62,7 @@ def resolve_comm(comm: Any = None, process_group: Any = None) -> Any:
 
     if comm is not None and process_group is not None:
         raise ValueError("pass the communicator as comm= or process_group=, not both")
-    comm = comm if comm is not None else process_group
-    if comm is None:
-        return MPI.COMM_WORLD
+    comm = world(comm if comm is not None else process_group)
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(
             f"comm={comm!r} is not an mpi4py intracommunicator (mpidist.torch runs on MPI; "
