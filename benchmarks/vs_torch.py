@@ -205,9 +205,8 @@ def run(kind: str, name: str, gb: int, steps: int) -> dict:
     r = {"step_s": statistics.median(times), "losses": losses,
          "state_bytes": state_bytes(net, opt)}
     if kind == "mpidist-fsdp":
-        stats = mt.gathered_bytes(net)
         x, y = local_batch(name, gb, 0)
-        mt.gathered_bytes(net)
+        mt.gathered_bytes(net)  # resets the peak
         out = net(x)
         F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
         stats = mt.gathered_bytes(net)

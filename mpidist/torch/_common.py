@@ -29,7 +29,6 @@ __all__ = [
     "module_fingerprint",
     "numpy_dtype",
     "resolve_comm",
-    "size_rank",
 ]
 
 # Reductions run in MPI on these element types (mpidist.collectives' reducible types).
@@ -71,11 +70,6 @@ def resolve_comm(comm: Any = None, process_group: Any = None) -> Any:
     if comm == MPI.COMM_NULL:
         raise ValueError("comm is MPI.COMM_NULL: this rank is not part of the group")
     return comm
-
-
-def size_rank(comm: Any) -> tuple[int, int]:
-    """``(size, rank)`` of ``comm``. Not collective."""
-    return comm.Get_size(), comm.Get_rank()
 
 
 def agree(comm: Any, what: str, error: str | None, items: Sequence[str] = ()) -> None:

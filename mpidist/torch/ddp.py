@@ -40,8 +40,7 @@ _FIRST_BUCKET_BYTES = 1 << 20  # as torch: the first bucket (the last layers) st
 class _Bucket:
     """A flat gradient tensor for a run of parameters and its allreduce in flight."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
-        self.index = index
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         numel = sum(p.numel() for p in params)
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
@@ -291,7 +290,7 @@ def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
         limit = min(cap, _FIRST_BUCKET_BYTES) if first else cap
         nbytes = p.numel() * p.element_size()
         if run and sizes[key] + nbytes > limit:
-            buckets.append(_Bucket(len(buckets), run))
+            buckets.append(_Bucket(run))
             first = False
             run = open_[key] = []
             sizes[key] = 0
@@ -299,5 +298,5 @@ def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
         sizes[key] = sizes.get(key, 0) + nbytes
     for run in open_.values():
         if run:
-            buckets.append(_Bucket(len(buckets), run))
+            buckets.append(_Bucket(run))
     return buckets

@@ -257,7 +257,6 @@ class _Context:
         self.order: list[_Unit] = []
         self.recording = True
         self.overlap = overlap()      # prefetch gathers, reduce-scatters in flight
-        self.active = False           # inside the root's forward
         self.in_backward = False
         self.alive = 0                # bytes of full parameters allocated now
         self.peak = 0
@@ -395,17 +394,17 @@ def _pre_forward(module: torch.nn.Module, args: Any) -> None:
         if unit.ctx is None or unit.ctx.root is not unit:
             unit.ctx = _Context(unit)
         ctx = unit.ctx
-        ctx.active = True
         if ctx.in_backward:  # a backward that raised never reached its final callback
             ctx.in_backward, ctx.reduced = False, []
         _CURRENT.append(ctx)
     ctx = _CURRENT[-1]
     unit.ctx = ctx
-    if ctx.position(unit) < 0:
+    pos = ctx.position(unit)
+    if pos < 0:
+        pos = len(ctx.order)
         ctx.order.append(unit)
     unit.unshard()
     unit.pre_backward_done = False
-    pos = ctx.position(unit)
     if ctx.overlap and not ctx.recording and 0 <= pos < len(ctx.order) - 1:
         ctx.order[pos + 1].start_gather()
 
@@ -420,7 +419,6 @@ def _post_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
         for t in tensors:
             t.register_hook(_pre_backward_hook(unit))
     if unit is ctx.root:
-        ctx.active = False
         ctx.recording = False
         _CURRENT.clear()
     if not torch.is_grad_enabled() or (unit.reshard_after_forward and unit is not ctx.root):

@@ -141,8 +141,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if any(self.optim.state.values()):
                 raise RuntimeError("add_param_group after the first step() is not supported")
             self._partition = self._partition_parameters()
-            defaults = {k: v for k, v in self.defaults.items()}
-            self.optim = self.optimizer_class(self._local_groups(), **defaults)
+            self.optim = self.optimizer_class(self._local_groups(), **self.defaults)
             self._layouts = self._make_layouts()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
