@@ -116,13 +116,19 @@ def default_algorithm() -> str:
 
 def hierarchical_min_bytes() -> int:
     """``MPIDIST_HIERARCHICAL_MIN_BYTES``: the smallest message ``auto`` sends in two levels."""
-    raw = os.environ.get("MPIDIST_HIERARCHICAL_MIN_BYTES", str(_DEFAULT_MIN_BYTES))
+    return _env_int("MPIDIST_HIERARCHICAL_MIN_BYTES", _DEFAULT_MIN_BYTES, 0)
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """The integer setting ``name`` (``default`` when unset); a ValueError naming it when it
+    is not an integer or is below ``minimum``."""
+    raw = os.environ.get(name, str(default))
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"MPIDIST_HIERARCHICAL_MIN_BYTES={raw!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"MPIDIST_HIERARCHICAL_MIN_BYTES={value} must be >= 0")
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
     return value
 
 
@@ -274,14 +280,7 @@ def chunk_bytes() -> int:
     three, which take pieces of twice this size (measured best on the virtual cluster:
     smaller pieces fill and drain the longer pipeline sooner, larger ones keep the messages
     of the shorter one large)."""
-    raw = os.environ.get("MPIDIST_HIERARCHICAL_CHUNK_BYTES", str(_DEFAULT_CHUNK_BYTES))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"MPIDIST_HIERARCHICAL_CHUNK_BYTES={raw!r} is not an integer") from None
-    if value < 1024:
-        raise ValueError(f"MPIDIST_HIERARCHICAL_CHUNK_BYTES={value} must be >= 1024")
-    return value
+    return _env_int("MPIDIST_HIERARCHICAL_CHUNK_BYTES", _DEFAULT_CHUNK_BYTES, 1024)
 
 
 def _bounds(m: int, itemsize: int, multiple: int, scale: int = 1) -> list[tuple[int, int]]:
