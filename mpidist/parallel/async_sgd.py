@@ -76,7 +76,7 @@ class AsyncSGDOptimizer(MeteredOptimizer):
     def _step(self, model: Any, batch: tuple[Any, Any]) -> float:
         x, y = batch
         t0 = time.perf_counter()
-        local_loss = self._local_gradients(model, x, y, progress=model.progress)
+        local_loss = self._forward_backward(model, x, y, sync=False, progress=model.progress)
         t1 = time.perf_counter()
         buf = self._pool.pop() if self._pool else None
         if buf is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -478,9 +478,12 @@ class ShardedOptimizer(TrainingStateMixin):
         return loss
 
     # The pieces of a step, which the other strategies reuse or override.
-    def _forward_backward(self, model: ShardedModel, x: Any, y: Any) -> float:
+    def _forward_backward(self, model: ShardedModel, x: Any, y: Any, *, sync: bool = True,
+                          progress: Callable[[], None] | None = None) -> float:
         """Validate the batch, then forward and backward of every micro-batch, gradients
-        synchronised during the last one. Returns this rank's share of the loss."""
+        synchronised during the last one (never, with ``sync=False``: the communication-
+        efficient strategies exchange them themselves); ``progress`` is called after each
+        micro-batch. Returns this rank's share of the loss."""
         b = self._check_batch(model, x, y)
         m = self.config.micro_batches
         normalizer = self._count(y, self.loss) * model.dp_size
@@ -489,10 +492,12 @@ class ShardedOptimizer(TrainingStateMixin):
         size = b // m
         for i in range(m):
             xs, ys = x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]
-            with model.sync_context(last=(i == m - 1)):
+            with model.sync_context(last=sync and i == m - 1):
                 out = model.forward(xs, ctx=i)
                 local_loss += self.loss.forward(out, ys, normalizer=normalizer, ctx=i)
                 model.backward(self.loss.backward(ctx=i), ctx=i)
+            if progress is not None:
+                progress()
         return local_loss
 
     def _lr(self) -> float | None:

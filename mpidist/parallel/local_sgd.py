@@ -71,7 +71,7 @@ class LocalSGDOptimizer(MeteredOptimizer):
     def _step(self, model: Any, batch: tuple[Any, Any]) -> float:
         x, y = batch
         t0 = time.perf_counter()
-        local_loss = self._local_gradients(model, x, y)
+        local_loss = self._forward_backward(model, x, y, sync=False)
         t1 = time.perf_counter()
         n = model.dp_size
         scale = float(n)

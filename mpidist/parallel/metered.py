@@ -12,13 +12,12 @@ allreduce) do not go through the meter and are not counted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from mpidist.parallel.ddp import DDPModel
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
+from mpidist.parallel.engine import ShardedOptimizer
 from mpidist.parallel.exchange import CountingComm, RequestChain
 
 __all__ = ["MeteredModel", "MeteredOptimizer", "check_int"]
@@ -157,25 +156,6 @@ class MeteredOptimizer(ShardedOptimizer):
         for a in self.rank_state_arrays():
             a.reshape(-1)[:] = data[pos:pos + a.size]
             pos += a.size
-
-    def _local_gradients(self, model: ShardedModel, x: Any, y: Any,
-                         progress: Callable[[], None] | None = None) -> float:
-        """Forward/backward of every micro-batch without gradient sync; the local loss."""
-        b = self._check_batch(model, x, y)
-        m = self.config.micro_batches
-        normalizer = self._count(y, self.loss) * model.dp_size
-        model.zero_grad()
-        local_loss = 0.0
-        size = b // m
-        with model.no_sync():
-            for i in range(m):
-                xs, ys = x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]
-                out = model.forward(xs, ctx=i)
-                local_loss += self.loss.forward(out, ys, normalizer=normalizer, ctx=i)
-                model.backward(self.loss.backward(ctx=i), ctx=i)
-                if progress is not None:
-                    progress()
-        return local_loss
 
 
 def check_int(owner: str, name: str, value: Any, low: int) -> int:
