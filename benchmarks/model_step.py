@@ -205,6 +205,14 @@ def main(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
         n_head=args.n_head, n_embd=args.n_embd,
     )
+    # As `mpidist train` does; both libraries run in this process under the same setting. The
+    # memory child keeps glibc's behaviour set by its MALLOC_MMAP_THRESHOLD_ (see run_children).
+    try:
+        from mpidist.nn import reuse_freed_memory
+
+        reused = reuse_freed_memory()
+    except ImportError:  # a version of mpidist before the setting existed
+        reused = False
     model = GPT(cfg)
     dtype = np.dtype(args.dtype)
     params, _ = model.build(dtype=dtype, seed=0)
@@ -238,7 +246,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"GPT n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
           f"block_size={cfg.block_size} vocab={cfg.vocab_size} batch={args.batch} "
           f"dtype={dtype} params={model.num_parameters():,} threads={threads}")
-    print(f"numpy {np.__version__}, python {sys.version.split()[0]}, nn kernels: {kernels}")
+    print(f"numpy {np.__version__}, python {sys.version.split()[0]}, nn kernels: {kernels}, "
+          f"freed memory reused: {'yes' if reused else 'no'}")
     if make_step is None:
         print("torch      : not available (pip install torch to compare); mpidist number only")
         ((sec, loss),) = time_alternating([mp_step], args.steps)

@@ -16,6 +16,7 @@ A strategy that needs one unit at a time runs ``model.units`` in order (see
 
 from __future__ import annotations
 
+from .allocator import reuse_freed_memory
 from .attention import Block, CausalSelfAttention, FeedForward, softmax_lastdim
 from .init import init_generator, init_slice, init_value
 from .layers import (
@@ -67,5 +68,6 @@ __all__ = [
     "init_generator",
     "init_slice",
     "init_value",
+    "reuse_freed_memory",
     "softmax_lastdim",
 ]

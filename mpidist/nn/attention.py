@@ -84,9 +84,10 @@ def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
     """Causal softmax attention of ``qkv`` (B, T, 3 H D; columns q | k | v, head-major).
 
     Returns the output (B, T, H D) and what :func:`causal_attention_backward` needs: ``qkv``
-    and the log-sum-exp of each score row, not the ``T x T`` probabilities, which backward
-    recomputes. The output is written head by head straight into its (B, T, H, D) layout,
-    so no transpose is copied. Not collective.
+    and the probabilities P (B, H, T, T). Keeping P spares backward a recomputation of the
+    scores (one of the attention's seven matrix products) and of their exponentials. The
+    output is written head by head straight into its (B, T, H, D) layout, so no transpose
+    is copied. Not collective.
     """
     b, t, c3 = qkv.shape
     d = c3 // (3 * n_head)
@@ -95,29 +96,27 @@ def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
     s = np.empty((b, n_head, t, t), dtype=a.dtype)
     _lower_product(q, k.transpose(0, 1, 3, 2), s, m)
-    lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
+    F.causal_softmax(s, 1.0 / math.sqrt(d))
     y = np.empty((b, t, n_head, d), dtype=s.dtype)
     _lower_left(s, v, y.transpose(0, 2, 1, 3), m)
-    return y.reshape(b, t, n_head * d), (a, lse)
+    return y.reshape(b, t, n_head * d), (a, s)
 
 
 def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:
     """Gradient of :func:`causal_attention`'s ``qkv`` from that of its output ``dy``
     (B, T, H D), written block by block into one (B, T, 3 H D) array. Not collective."""
-    a, lse = saved
+    a, p = saved
     b, t, _, h, d = a.shape
     m = _split(t)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
     dyh = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)
-    s = np.empty((b, h, t, t), dtype=a.dtype)
     dp = np.empty((b, h, t, t), dtype=dy.dtype)
-    _lower_product(q, k.transpose(0, 1, 3, 2), s, m)
     _lower_product(dyh, v.transpose(0, 1, 3, 2), dp, m)
-    F.causal_softmax_backward(s, dp, lse, 1.0 / math.sqrt(d))  # s <- P, dp <- dS
+    F.causal_softmax_backward(p, dp, 1.0 / math.sqrt(d))  # dp <- dS
     da = np.empty(a.shape, dtype=dp.dtype)
     _lower_left(dp, k, _heads(da, 0), m)
     _lower_left_t(dp, q, _heads(da, 1), m)
-    _lower_left_t(s, dyh, _heads(da, 2), m)
+    _lower_left_t(p, dyh, _heads(da, 2), m)
     return da.reshape(b, t, 3 * h * d)
 
 
@@ -156,7 +155,11 @@ class CausalSelfAttention(Module):
 
 
 class FeedForward(Module):
-    """GPT-2 MLP: ``proj(gelu(fc(x)))`` with hidden size ``4 n_embd`` (residual-scaled proj)."""
+    """GPT-2 MLP: ``proj(gelu(fc(x)))`` with hidden size ``4 n_embd`` (residual-scaled proj).
+
+    Keeps for backward the fc output but not the GELU output: backward recomputes that in
+    the pass that applies GELU's derivative (the tanh is computed there anyway), which keeps
+    a step's activations as small as with the attention recomputing its probabilities."""
 
     def __init__(self, n_embd: int, n_layer: int = 1, bias: bool = True, hidden: int = 0) -> None:
         super().__init__()
@@ -170,12 +173,14 @@ class FeedForward(Module):
         # The fc bias is added inside the GELU kernel (one pass instead of two).
         h = self.fc.forward(x, ctx, add_bias=False)
         bias = self.fc.param("bias") if self.fc.has_bias else None
-        return self.proj.forward(self.act.forward(h, ctx, bias=bias), ctx)
+        return self.proj.forward(self.act.forward(h, ctx, bias=bias), ctx, keep_input=False)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         bias_grad = self.fc.grad("bias") if self.fc.has_bias else None
-        dh = self.act.backward(self.proj.backward(dy, ctx), ctx, bias_grad=bias_grad,
-                               overwrite=True)
+        dh, a = self.act.backward_output(self.proj.input_grad(dy), ctx, bias_grad=bias_grad,
+                                         overwrite=True)
+        self.proj.accumulate_grad(a, dy)
+        del a
         return self.fc.backward(dh, ctx, bias_grad=False)
 
 

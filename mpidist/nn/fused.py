@@ -1,8 +1,8 @@
 """Fused kernels of the layers, with the NumPy reference of each, behind one setting.
 
 The layers hand everything between their matrix products to the functions here: the causal
-softmax with scale and mask (forward, and a backward that recomputes the probabilities from
-the saved log-sum-exp instead of keeping the ``T x T`` matrix), layer norm, GELU with the bias
+softmax with scale and mask (forward, and a backward from the probabilities the forward
+left), layer norm, GELU with the bias
 add folded in, cross-entropy with its log-softmax, and the embedding's scatter-add. Each runs
 as one Numba kernel (:mod:`mpidist.nn.fused_cpu`; NumPy arrays) or one ``numba.cuda`` kernel
 (:mod:`mpidist.nn.fused_cuda`; arrays with ``__cuda_array_interface__``), or as the NumPy
@@ -135,8 +135,9 @@ def _mask(t: int, dtype: np.dtype) -> np.ndarray:
 
 def causal_softmax(s: Any, scale: float) -> Any:
     """In place on scores ``s`` of shape ``(..., T, T)``: row ``i`` of each matrix becomes
-    ``softmax(scale * s[i, :i+1])`` followed by zeros. Returns the log-sum-exp of each
-    scaled row, shape ``(..., T)``, which :func:`causal_softmax_backward` needs."""
+    ``softmax(scale * s[i, :i+1])`` followed by zeros (the probabilities P, which
+    :func:`causal_softmax_backward` takes). Returns the log-sum-exp of each scaled row,
+    shape ``(..., T)``."""
     if _on_device(s):
         return _cuda().causal_softmax(s, scale)
     t = s.shape[-1]
@@ -156,24 +157,20 @@ def causal_softmax(s: Any, scale: float) -> Any:
     return acc[..., 0]
 
 
-def causal_softmax_backward(s: Any, dp: Any, lse: Any, scale: float) -> None:
-    """In place: from the unscaled scores ``s`` (as before :func:`causal_softmax`), the
-    gradient ``dp`` of the probabilities P and the saved ``lse``, ``s`` becomes P and ``dp``
-    becomes the gradient of the unscaled scores, ``scale * P * (dp - rowsum(P * dp))``."""
-    if _on_device(s, dp, lse):
-        return _cuda().causal_softmax_backward(s, dp, lse, scale)
-    t = s.shape[-1]
-    if _numba(s, dp, lse) and s.flags.c_contiguous and dp.flags.c_contiguous:
-        _cpu.causal_softmax_backward(s.reshape(-1, t, t), dp.reshape(-1, t, t),
-                                     _c(lse).reshape(-1, t), s.dtype.type(scale))
+def causal_softmax_backward(p: Any, dp: Any, scale: float) -> None:
+    """In place: from the probabilities ``p`` that :func:`causal_softmax` left (zero above
+    the diagonal) and their gradient ``dp``, ``dp`` becomes the gradient of the unscaled
+    scores, ``scale * P * (dp - rowsum(P * dp))``, zero above the diagonal."""
+    if _on_device(p, dp):
+        return _cuda().causal_softmax_backward(p, dp, scale)
+    t = p.shape[-1]
+    if _numba(p, dp) and p.flags.c_contiguous and dp.flags.c_contiguous:
+        _cpu.causal_softmax_backward(p.reshape(-1, t, t), dp.reshape(-1, t, t),
+                                     p.dtype.type(scale))
         return None
-    s *= scale
-    s -= lse[..., None]
-    s += _mask(t, s.dtype)
-    np.exp(s, out=s)
-    dot = np.sum(s * dp, axis=-1, keepdims=True)
+    dot = np.sum(p * dp, axis=-1, keepdims=True)
     dp -= dot
-    dp *= s
+    dp *= p
     dp *= scale
     return None
 
@@ -188,7 +185,7 @@ def layer_norm(x: Any, w: Any, b: Any, eps: float) -> tuple[Any, Any, Any]:
         out = np.empty(x.shape, dtype=x.dtype)
         mean = np.empty(n, dtype=x.dtype)
         rstd = np.empty(n, dtype=x.dtype)
-        _cpu.layer_norm(_c(x), _c(w), _c(b), float(eps), out, mean, rstd)
+        _cpu.layer_norm(_c(x), _c(w), _c(b), x.dtype.type(eps), out, mean, rstd)
         return out, mean, rstd
     mean = x.mean(axis=-1)
     xc = x - mean[:, None]
@@ -258,25 +255,38 @@ def bias_gelu(h: Any, b: Any | None = None) -> Any:
     return y
 
 
-def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = False) -> Any:
+def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = False,
+                       output: bool = False) -> Any:
     """Gradient of the pre-activation ``h`` (as left by :func:`bias_gelu`) from ``dy``;
     ``db`` (if given) accumulates its sum over rows. With ``inplace`` the result overwrites
-    ``dy`` (which is returned)."""
+    ``dy`` (which is returned). With ``output``, returns ``(gradient, gelu_tanh(h))``: the
+    forward's output recomputed in the same pass, for a caller that did not keep it."""
     if _on_device(h, dy):
-        return _cuda().bias_gelu_backward(h, dy, db, inplace)
+        return _cuda().bias_gelu_backward(h, dy, db, inplace, output)
     if _numba(h, dy) and h.flags.c_contiguous and dy.flags.c_contiguous:
         out = dy if inplace else dy.copy()
-        _cpu.gelu_backward(h, out, _cpu.gelu_constants(h.dtype))
+        k = _cpu.gelu_constants(h.dtype)
+        if output:
+            y = np.empty(h.shape, dtype=h.dtype)
+            _cpu.gelu_backward_output(h, out, y, k)
+        else:
+            _cpu.gelu_backward(h, out, k)
         if db is not None:
             db += out.sum(axis=0)
-        return out
-    d = gelu_tanh_backward(h, _tanh_term(h), dy)
+        return (out, y) if output else out
+    t = _tanh_term(h)
+    d = gelu_tanh_backward(h, t, dy)
     if db is not None:
         db += d.sum(axis=0)
     if inplace:
         dy[...] = d
-        return dy
-    return d
+        d = dy
+    if not output:
+        return d
+    t += 1.0
+    t *= h
+    t *= 0.5
+    return d, t
 
 
 def gelu_tanh_backward(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarray:
@@ -322,7 +332,7 @@ def cross_entropy_backward(z: Any, targets: Any, lse: Any, scale: float) -> Any:
     if _numba(z, lse):
         out = np.empty(z.shape, dtype=z.dtype)
         _cpu.cross_entropy_backward(_c(z), _c(targets).astype(np.int64, copy=False), _c(lse),
-                                    float(scale), out)
+                                    z.dtype.type(scale), out)
         return out
     p = z - lse[:, None]
     np.exp(p, out=p)
@@ -361,9 +371,8 @@ def _warm_up_once() -> None:
         for dt in (np.float32, np.float64):
             rng = np.random.default_rng(0)
             s = rng.standard_normal((2, 3, 3)).astype(dt)
-            raw = s.copy()
-            lse = causal_softmax(s, 0.5)
-            causal_softmax_backward(raw, np.ones_like(raw), lse, 0.5)
+            causal_softmax(s, 0.5)
+            causal_softmax_backward(s, np.ones_like(s), 0.5)
             x, w, b = np.ones((2, 4), dt), np.ones(4, dt), np.zeros(4, dt)
             _, mean, rstd = layer_norm(x, w, b, 1e-5)
             layer_norm_backward(x, x, w, mean, rstd, w.copy(), b.copy())
@@ -371,6 +380,7 @@ def _warm_up_once() -> None:
             bias_gelu(x.copy())
             bias_gelu_backward(x, x.copy(), b.copy(), inplace=True)
             bias_gelu_backward(x, x)
+            bias_gelu_backward(x, x.copy(), inplace=True, output=True)
             ids = np.array([0, 3])
             _, lse = cross_entropy(x, ids)
             cross_entropy_backward(x, ids, lse, 0.5)

@@ -1,12 +1,12 @@
 """Numba CPU kernels of the layers (``njit(cache=True)``), one pass per chain.
 
-Each kernel fuses a chain that NumPy runs as several passes over memory: the causal
-softmax with scale and mask (and its backward, which recomputes the probabilities from the
-saved log-sum-exp), layer norm, GELU with the bias add folded in, cross-entropy with its
-log-softmax, and the embedding's scatter-add. Rows are independent, so the outer loop is a
-``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial row per
-chunk of rows, added up at the end in a fixed order, so a result does not depend on the
-threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``.
+Each kernel fuses a chain that NumPy runs as several passes over memory: the causal softmax
+with scale and mask (and its backward from the saved probabilities), layer norm, GELU with
+the bias add folded in (and its backward, which can recompute the output), cross-entropy
+with its log-softmax, and the embedding's scatter-add. Rows are independent, so the outer
+loop is a ``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial
+row per chunk of rows, added up at the end in a fixed order, so a result does not depend on
+the threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``.
 The serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
 thread: every parallel launch must wake the pool's threads, and next to NumPy's BLAS threads
 (a second pool) that cost more than it saved wherever the cores were shared (with 2 threads
@@ -44,6 +44,7 @@ __all__ = [
     "exp_fast",
     "tanh_fast",
     "gelu_backward",
+    "gelu_backward_output",
     "causal_softmax",
     "causal_softmax_backward",
     "cross_entropy",
@@ -204,8 +205,10 @@ def chunks(n: int) -> int:
 @kernel()
 def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
     """In place on ``s`` (R, T, T): row i of each matrix becomes softmax(scale * s[:i+1])
-    followed by zeros; ``lse`` (R, T) receives each row's log-sum-exp of the scaled row."""
+    followed by zeros; ``lse`` (R, T) receives each row's log-sum-exp of the scaled row.
+    Sums run in the dtype of ``s`` (a float64 sum of float32 terms halves the vector width)."""
     nmat, t = s.shape[0], s.shape[1]
+    zero = s.dtype.type(0)
     for r in prange(nmat):
         for i in range(t):
             row = s[r, i]
@@ -213,58 +216,57 @@ def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
             for j in range(1, i + 1):
                 m = max(m, row[j])
             ms = m * scale
-            acc = 0.0
+            acc = zero
             for j in range(i + 1):
                 e = exp_fast(row[j] * scale - ms)
                 row[j] = e
                 acc += e
-            inv = 1.0 / acc
+            inv = 1 / acc
             for j in range(i + 1):
                 row[j] *= inv
             for j in range(i + 1, t):
-                row[j] = 0.0
+                row[j] = zero
             lse[r, i] = ms + math.log(acc)
 
 
 @kernel()
-def causal_softmax_backward(s, dp, lse, scale):  # pragma: no cover - compiled
-    """From the raw scores ``s`` and ``dp = dL/dP``: ``s`` becomes P (recomputed from
-    ``lse``) and ``dp`` becomes ``scale * P * (dp - rowsum(P * dp))``, the gradient of the
-    unscaled scores; entries above the diagonal become 0 in both."""
-    nmat, t = s.shape[0], s.shape[1]
+def causal_softmax_backward(p, dp, scale):  # pragma: no cover - compiled
+    """From the probabilities ``p`` (R, T, T; zero above the diagonal) and ``dp = dL/dP``:
+    ``dp`` becomes ``scale * P * (dp - rowsum(P * dp))``, the gradient of the unscaled
+    scores, zero above the diagonal."""
+    nmat, t = p.shape[0], p.shape[1]
+    zero = p.dtype.type(0)
     for r in prange(nmat):
         for i in range(t):
-            srow = s[r, i]
+            prow = p[r, i]
             drow = dp[r, i]
-            c = lse[r, i]
-            dot = 0.0
+            dot = zero
             for j in range(i + 1):
-                p = exp_fast(srow[j] * scale - c)
-                srow[j] = p
-                dot += p * drow[j]
+                dot += prow[j] * drow[j]
             for j in range(i + 1):
-                drow[j] = scale * srow[j] * (drow[j] - dot)
+                drow[j] = scale * prow[j] * (drow[j] - dot)
             for j in range(i + 1, t):
-                srow[j] = 0.0
-                drow[j] = 0.0
+                drow[j] = zero
 
 
 # -- layer norm -----------------------------------------------------------------------------
 @kernel()
 def layer_norm(x, w, b, eps, out, mean, rstd):  # pragma: no cover - compiled
-    """``out = (x - mean) * rstd * w + b`` over the rows of ``x`` (N, C); saves mean, rstd."""
+    """``out = (x - mean) * rstd * w + b`` over the rows of ``x`` (N, C); saves mean, rstd.
+    Sums run in the dtype of ``x``, as in the other kernels."""
     n, c = x.shape
+    zero = x.dtype.type(0)
     for i in prange(n):
         row = x[i]
-        acc = 0.0
+        acc = zero
         for j in range(c):
             acc += row[j]
         mu = acc / c
-        var = 0.0
+        var = zero
         for j in range(c):
             d = row[j] - mu
             var += d * d
-        rs = 1.0 / math.sqrt(var / c + eps)
+        rs = 1 / math.sqrt(var / c + eps)
         o = out[i]
         for j in range(c):
             o[j] = (row[j] - mu) * rs * w[j] + b[j]
@@ -278,6 +280,7 @@ def layer_norm_backward(dy, x, w, mean, rstd, dx, dw, db, part):  # pragma: no c
     (chunks, 2, C) holds zeros on entry (one partial row per chunk of rows)."""
     n, c = x.shape
     nch = part.shape[0]
+    zero = x.dtype.type(0)
     for k in prange(nch):
         pw = part[k, 0]
         pb = part[k, 1]
@@ -286,8 +289,8 @@ def layer_norm_backward(dy, x, w, mean, rstd, dx, dw, db, part):  # pragma: no c
             rs = rstd[i]
             xr = x[i]
             g = dy[i]
-            m1 = 0.0
-            m2 = 0.0
+            m1 = zero
+            m2 = zero
             for j in range(c):
                 xh = (xr[j] - mu) * rs
                 gj = g[j]
@@ -361,19 +364,37 @@ def gelu_backward(h, dy, k):  # pragma: no cover - compiled
             g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
 
 
+@kernel()
+def gelu_backward_output(h, dy, y, k):  # pragma: no cover - compiled
+    """:func:`gelu_backward` that also writes the forward's output ``gelu_tanh(h)`` into
+    ``y`` from the same tanh, for a caller that did not keep it."""
+    n, f = h.shape
+    c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
+    for i in prange(n):
+        hr = h[i]
+        g = dy[i]
+        yr = y[i]
+        for j in range(f):
+            v = hr[j]
+            t = tanh_fast(c * (v + a * v * v * v))
+            yr[j] = half * v * (one + t)
+            g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
+
+
 # -- cross-entropy --------------------------------------------------------------------------
 @kernel()
 def cross_entropy(z, targets, lse):  # pragma: no cover - compiled
     """Sum over rows of ``lse - z[target]`` (float64); ``lse`` (N,) receives each row's
     log-sum-exp."""
     n, v = z.shape
+    zero = z.dtype.type(0)
     total = 0.0
     for i in prange(n):
         row = z[i]
         m = row[0]
         for j in range(1, v):
             m = max(m, row[j])
-        acc = 0.0
+        acc = zero
         for j in range(v):
             acc += exp_fast(row[j] - m)
         c = m + math.log(acc)

@@ -68,20 +68,16 @@ def _softmax_rows(s, scale, lse):  # pragma: no cover - device code
 
 
 @cuda.jit
-def _softmax_rows_backward(s, dp, lse, scale):  # pragma: no cover - device code
-    t = s.shape[1]
-    for row in range(cuda.grid(1), s.shape[0], cuda.gridsize(1)):
+def _softmax_rows_backward(p, dp, scale):  # pragma: no cover - device code
+    t = p.shape[1]
+    for row in range(cuda.grid(1), p.shape[0], cuda.gridsize(1)):
         i = row % t
-        c = lse[row]
         dot = 0.0
         for j in range(i + 1):
-            p = math.exp(s[row, j] * scale - c)
-            s[row, j] = p
-            dot += p * dp[row, j]
+            dot += p[row, j] * dp[row, j]
         for j in range(i + 1):
-            dp[row, j] = scale * s[row, j] * (dp[row, j] - dot)
+            dp[row, j] = scale * p[row, j] * (dp[row, j] - dot)
         for j in range(i + 1, t):
-            s[row, j] = 0.0
             dp[row, j] = 0.0
 
 
@@ -96,13 +92,12 @@ def causal_softmax(s: Any, scale: float) -> Any:
     return lse
 
 
-def causal_softmax_backward(s: Any, dp: Any, lse: Any, scale: float) -> None:
+def causal_softmax_backward(p: Any, dp: Any, scale: float) -> None:
     """See :func:`mpidist.nn.fused.causal_softmax_backward`."""
-    s, dp, lse = _dev(s), _dev(dp), _dev(lse)
-    t = tuple(s.shape)[-1]
-    rows = s.size // t
-    _softmax_rows_backward[_grid(rows)](s.reshape(rows, t), dp.reshape(rows, t),
-                                        lse.reshape(rows), scale)
+    p, dp = _dev(p), _dev(dp)
+    t = tuple(p.shape)[-1]
+    rows = p.size // t
+    _softmax_rows_backward[_grid(rows)](p.reshape(rows, t), dp.reshape(rows, t), scale)
 
 
 # -- layer norm -----------------------------------------------------------------------------
@@ -193,13 +188,15 @@ def _bias_gelu(h, b, has_bias, y):  # pragma: no cover - device code
 
 
 @cuda.jit
-def _gelu_backward(h, dy, out):  # pragma: no cover - device code
+def _gelu_backward(h, dy, out, y, want_y):  # pragma: no cover - device code
     n, f = h.shape
     for e in range(cuda.grid(1), n * f, cuda.gridsize(1)):
         i = e // f
         j = e - i * f
         v = h[i, j]
         t = math.tanh(GELU_C * (v + GELU_A * v * v * v))
+        if want_y:
+            y[i, j] = 0.5 * v * (1.0 + t)
         out[i, j] = dy[i, j] * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * GELU_C
                                 * (1.0 + 3.0 * GELU_A * v * v))
 
@@ -223,14 +220,16 @@ def bias_gelu(h: Any, b: Any | None = None) -> Any:
     return y
 
 
-def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = False) -> Any:
+def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = False,
+                       output: bool = False) -> Any:
     """See :func:`mpidist.nn.fused.bias_gelu_backward`."""
     h, dy = _dev(h), _dev(dy)
     out = dy if inplace else cuda.device_array(dy.shape, dtype=dy.dtype)
-    _gelu_backward[_grid(h.size)](h, dy, out)
+    y = cuda.device_array(h.shape if output else (1, 1), dtype=h.dtype)
+    _gelu_backward[_grid(h.size)](h, dy, out, y, output)
     if db is not None:
         _column_sums[_grid(h.shape[1])](out, _dev(db))
-    return out
+    return (out, y) if output else out
 
 
 # -- cross-entropy --------------------------------------------------------------------------

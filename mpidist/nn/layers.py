@@ -31,6 +31,7 @@ __all__ = [
     "check_features",
     "float_input",
     "gelu_tanh",
+    "matmul_rows",
 ]
 
 
@@ -87,16 +88,20 @@ class Linear(Module):
         if self.has_bias:
             self.register_parameter("bias", (self.out_features,), "zeros", 0.0)
 
-    def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True) -> np.ndarray:
+    def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True,
+                keep_input: bool = True) -> np.ndarray:
         """``x @ weight (+ bias)``; ``add_bias=False`` leaves the bias add to the caller (a
-        fused activation), which then owes :meth:`backward` the bias gradient too."""
+        fused activation), which then owes :meth:`backward` the bias gradient too.
+        ``keep_input=False`` keeps nothing for backward: the caller recomputes the input and
+        calls :meth:`input_grad` and :meth:`accumulate_grad` instead."""
         w = self.param("weight")
         x = float_input(x, w.dtype, self.name)
         check_features(x, self.in_features, self.name)
-        y = x @ w
+        y = matmul_rows(x, w)
         if self.has_bias and add_bias:
             y += self.param("bias")
-        self._save(ctx, x)
+        if keep_input:
+            self._save(ctx, x)
         return y
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None, *,
@@ -104,7 +109,19 @@ class Linear(Module):
         """Input gradient; accumulates the weight gradient, and the bias gradient unless
         ``bias_grad=False`` (the fused activation has accumulated it)."""
         x = self._take(ctx)
-        w = self.param("weight")
+        self.accumulate_grad(x, dy, bias_grad=bias_grad)
+        return self.input_grad(dy)
+
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        """``dy @ weight.T``, the gradient of the input (part of :meth:`backward`)."""
+        if dy.shape[-1] != self.out_features:
+            raise ValueError(f"{self.name}: output gradient of shape {dy.shape}, expected "
+                             f"last axis {self.out_features}")
+        return matmul_rows(dy, self.param("weight").T)
+
+    def accumulate_grad(self, x: np.ndarray, dy: np.ndarray, *, bias_grad: bool = True) -> None:
+        """Add ``x.T @ dy`` to the weight gradient (and ``dy``'s column sums to the bias
+        gradient unless ``bias_grad=False``): the rest of :meth:`backward`, given the input."""
         if dy.shape != x.shape[:-1] + (self.out_features,):
             raise ValueError(
                 f"{self.name}: output gradient of shape {dy.shape}, expected "
@@ -115,7 +132,15 @@ class Linear(Module):
         self.grad("weight")[...] += x2.T @ dy2
         if self.has_bias and bias_grad:
             self.grad("bias")[...] += dy2.sum(axis=0)
-        return dy @ w.T
+
+
+def matmul_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` for ``x`` of any rank: one matrix product over all leading axes (NumPy
+    would run one product per leading index, about 6% slower for a (16, 128, C) input).
+    Not collective."""
+    if x.ndim <= 2:
+        return x @ w
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
 
 
 class Embedding(Module):
@@ -237,6 +262,16 @@ class GELU(Module):
         h = self._take(ctx)
         d = F.bias_gelu_backward(h, dy.reshape(h.shape), bias_grad, inplace=overwrite)
         return d.reshape(dy.shape)
+
+    def backward_output(self, dy: np.ndarray, ctx: Hashable = None, *,
+                        bias_grad: np.ndarray | None = None,
+                        overwrite: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`backward` that also returns forward's output, recomputed from the same
+        tanh: ``(dy * gelu'(x), gelu(x))``, for a caller that did not keep the output."""
+        h = self._take(ctx)
+        d, y = F.bias_gelu_backward(h, dy.reshape(h.shape), bias_grad, inplace=overwrite,
+                                    output=True)
+        return d.reshape(dy.shape), y.reshape(dy.shape)
 
 
 class ReLU(Module):

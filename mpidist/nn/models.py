@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import Block
-from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, positive_int
+from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, matmul_rows, positive_int
 from .module import Module
 
 __all__ = ["GPT", "MLP", "GPTConfig", "GPTEmbedding", "GPTHead", "LMHead", "SequentialModel"]
@@ -153,13 +153,13 @@ class LMHead(Module):
         if x.shape[-1] != self.n_embd:
             raise ValueError(f"{self.name}: input of shape {x.shape} does not end in {self.n_embd}")
         self._save(ctx, x)
-        return x @ w.T
+        return matmul_rows(x, w.T)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = self._take(ctx)
         w = self.param("weight")
         self.grad("weight")[...] += dy.reshape(-1, self.vocab_size).T @ x.reshape(-1, self.n_embd)
-        return dy @ w
+        return matmul_rows(dy, w)
 
 
 class GPTHead(Module):

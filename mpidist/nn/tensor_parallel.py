@@ -44,7 +44,16 @@ from mpidist import collectives as C
 
 from .attention import causal_attention, causal_attention_backward, residual_scale
 from .init import init_value
-from .layers import GELU, Dropout, Embedding, LayerNorm, ModuleList, check_features, float_input
+from .layers import (
+    GELU,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    ModuleList,
+    check_features,
+    float_input,
+    matmul_rows,
+)
 from .models import GPTConfig, GPTEmbedding
 from .module import Module
 
@@ -304,7 +313,7 @@ class ColumnParallelLinear(TensorParallelModule):
         x = float_input(x, w.dtype, self.name)
         check_features(x, self.in_features, self.name)
         x = self.copy_in.forward(x, ctx)
-        y = x @ w
+        y = matmul_rows(x, w)
         if self.has_bias:
             y += self.param("bias")
         self._save(ctx, x)
@@ -320,7 +329,7 @@ class ColumnParallelLinear(TensorParallelModule):
         self.grad("weight")[...] += x2.T @ dy2
         if self.has_bias:
             self.grad("bias")[...] += dy2.sum(axis=0)
-        return self.copy_in.backward(dy @ w.T, ctx)
+        return self.copy_in.backward(matmul_rows(dy, w.T), ctx)
 
 
 class RowParallelLinear(TensorParallelModule):
@@ -353,7 +362,7 @@ class RowParallelLinear(TensorParallelModule):
         if self.scatter is not None:
             x = self.scatter.forward(x, ctx)
         check_features(x, self.local_in, self.name, "local in_features")
-        y = self.reduce_out.forward(x @ w, ctx)
+        y = self.reduce_out.forward(matmul_rows(x, w), ctx)
         if self.has_bias:
             y += self.param("bias")
         self._save(ctx, x)
@@ -367,7 +376,7 @@ class RowParallelLinear(TensorParallelModule):
         if self.has_bias:
             self.grad("bias")[...] += dy2.sum(axis=0)
         self.grad("weight")[...] += x.reshape(-1, self.local_in).T @ dy2
-        dx = dy @ w.T
+        dx = matmul_rows(dy, w.T)
         return dx if self.scatter is None else self.scatter.backward(dx, ctx)
 
 
@@ -447,14 +456,14 @@ class VocabParallelLMHead(TensorParallelModule):
             raise ValueError(f"{self.name}: input of shape {x.shape} does not end in {self.n_embd}")
         x = self.copy_in.forward(x, ctx)
         self._save(ctx, x)
-        return x @ w.T
+        return matmul_rows(x, w.T)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = self._take(ctx)
         w = self.param("weight")
         self.grad("weight")[...] += (dy.reshape(-1, self.local_vocab).T
                                      @ x.reshape(-1, self.n_embd))
-        return self.copy_in.backward(dy @ w, ctx)
+        return self.copy_in.backward(matmul_rows(dy, w), ctx)
 
 
 class VocabParallelCrossEntropy(Module):

@@ -23,6 +23,7 @@ import numpy as np
 
 from mpidist import collectives as C
 from mpidist.comms import world
+from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import inner_strategy, make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
@@ -52,8 +53,10 @@ def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
     Every rank validates the configuration identically before any communication, so bad
     settings raise the same ValueError everywhere. A preempted run (SIGTERM or SIGUSR1)
     returns after its checkpoint with ``summary["preempted"]`` set to the signal's name; a
-    worker that left an elastic job returns ``{"left": True, ...}``.
+    worker that left an elastic job returns ``{"left": True, ...}``. Freed step memory is
+    kept for reuse (:func:`mpidist.nn.allocator.reuse_freed_memory`).
     """
+    reuse_freed_memory()
     run = _Run(cfg, world(comm))
     try:
         return run.execute()

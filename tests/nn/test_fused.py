@@ -55,16 +55,22 @@ def test_causal_softmax(dtype: type, t: int) -> None:
     def run():
         s = s0.copy()
         lse = F.causal_softmax(s, 0.37)
-        p, dp = s0.copy(), dp0.copy()
-        F.causal_softmax_backward(p, dp, lse, 0.37)
-        return s, lse, p, dp
+        dp = dp0.copy()
+        F.causal_softmax_backward(s, dp, 0.37)
+        return s, lse, dp
 
     ref, got = both(run)
     assert_same(ref, got, dtype)
-    s, _, p, dp = got
+    s, lse, dp = got
     assert np.all(np.triu(s[0, 0], 1) == 0) and np.all(np.triu(dp[0, 0], 1) == 0)
     np.testing.assert_allclose(s.sum(axis=-1), 1.0, **tol(dtype))
-    np.testing.assert_allclose(p, s, **tol(dtype))  # backward recomputes the forward's P
+    # Independent of both paths: lse and the gradient of the scaled, masked scores.
+    z = np.where(np.tril(np.ones((t, t), bool)), 0.37 * s0.astype(np.float64), -np.inf)
+    np.testing.assert_allclose(lse, np.log(np.exp(z).sum(axis=-1)), **tol(dtype, 4))
+    p64 = np.exp(z - np.log(np.exp(z).sum(axis=-1, keepdims=True)))
+    d64 = dp0.astype(np.float64)
+    ds = 0.37 * p64 * (d64 - (p64 * d64).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(dp, ds, **tol(dtype, 4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -100,13 +106,18 @@ def test_bias_gelu(dtype: type, with_bias: bool) -> None:
         dy2 = dy.copy()
         dh2 = F.bias_gelu_backward(h, dy2, None, inplace=True)
         assert dh2 is dy2
-        return h, y, dh, db, dh2
+        dy3 = dy.copy()
+        dh3, y3 = F.bias_gelu_backward(h, dy3, None, inplace=True, output=True)
+        assert dh3 is dy3
+        return h, y, dh, db, dh2, dh3, y3
 
     ref, got = both(run)
     # float32: the kernel's rational tanh is within a few ulps of NumPy's; near saturation
     # the derivative's 1 - t^2 amplifies that, hence an absolute tolerance of 1e-5.
     assert_same(ref, got, dtype, scale=5)
     np.testing.assert_array_equal(ref[0], h0 + (0 if b is None else b))
+    for r in (ref, got):  # the recomputed output and its gradient are forward's and backward's
+        assert_same(r[1:3], r[6:4:-1], dtype, scale=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
