@@ -14,10 +14,9 @@ on 2 busy cores a GPT step took 1.6x as long with parallel kernels as with seria
 Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
 memory they use is visible to the caller.
 
-In float32, ``exp`` (softmax, cross-entropy) is a polynomial with an exponent bit-cast
-(about 1 ulp) and ``tanh`` (GELU) a rational function (within 5 ulps, exactly +-1 from
-|x| = 9): no libm call, so the loops vectorise. float64 calls libm (``exp``, ``expm1``),
-accurate to round-off. Not collective.
+In float32, ``exp`` (softmax, cross-entropy, and GELU, computed as ``v sigmoid(2 z)`` rather
+than with a tanh) is a polynomial with an exponent bit-cast (about 1 ulp): no libm call, so
+the loops vectorise. float64 calls libm's ``exp``, accurate to round-off. Not collective.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ __all__ = [
     "gelu_constants",
     "kernel",
     "exp_fast",
-    "tanh_fast",
     "gelu_backward",
     "gelu_backward_output",
     "causal_softmax",
@@ -59,54 +57,6 @@ __all__ = [
 _FM = {"nsz", "arcp", "contract", "reassoc"}
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
-
-# tanh(x) = x P(x^2) / Q(x^2) on [-7.9, 7.9] (the rational form of Eigen and XLA's fast
-# float tanh), within 5 float32 ulps of tanh.
-_T_CLAMP = np.float32(7.90531110763549805)
-_T_ONE = np.float32(9.0)
-_ONE = np.float32(1.0)
-_A1, _A3, _A5 = np.float32(4.89352455891786e-03), np.float32(6.37261928875436e-04), np.float32(
-    1.48572235717979e-05)
-_A7, _A9 = np.float32(5.12229709037114e-08), np.float32(-8.60467152213735e-11)
-_A11, _A13 = np.float32(2.00018790482477e-13), np.float32(-2.76076847742355e-16)
-_B0, _B2 = np.float32(4.89352518554385e-03), np.float32(2.26843463243900e-03)
-_B4, _B6 = np.float32(1.18534705686654e-04), np.float32(1.19825839466702e-06)
-
-
-def tanh_fast(x):  # pragma: no cover - replaced by the overload below in compiled code
-    """``tanh`` for compiled code: rational in float32, ``expm1``-based in float64."""
-    return math.tanh(x)
-
-
-@overload(tanh_fast, jit_options={"fastmath": _FM, "error_model": "numpy"})
-def _tanh_fast_impl(x):  # pragma: no cover - compiled
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-
-        def impl32(x):
-            v = min(max(x, -_T_CLAMP), _T_CLAMP)
-            v2 = v * v
-            p = v2 * _A13 + _A11
-            p = p * v2 + _A9
-            p = p * v2 + _A7
-            p = p * v2 + _A5
-            p = p * v2 + _A3
-            p = p * v2 + _A1
-            q = v2 * _B6 + _B4
-            q = q * v2 + _B2
-            q = q * v2 + _B0
-            # From |x| = 9 on, float32 tanh rounds to +-1: return it exactly, so that
-            # 1 - t^2 (GELU's derivative) is 0 there, as with NumPy.
-            return v * p / q if abs(x) < _T_ONE else (_ONE if x > 0 else -_ONE)
-
-        return impl32
-
-    def impl64(x):
-        e = math.expm1(-2.0 * abs(x))
-        t = -e / (2.0 + e)
-        return t if x >= 0 else -t
-
-    return impl64
-
 
 @intrinsic
 def _f32_from_bits(typingctx, bits):  # pragma: no cover - compiled
@@ -126,6 +76,7 @@ def exp_fast(x):  # pragma: no cover - replaced by the overload below in compile
 
 
 _E_LO, _E_HI = np.float32(-87.3), np.float32(88.3)
+_ONE = np.float32(1.0)
 _LOG2E, _HALF = np.float32(1.4426950408889634), np.float32(0.5)
 _LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(
@@ -312,24 +263,37 @@ def layer_norm_backward(dy, x, w, mean, rstd, dx, dw, db, part):  # pragma: no c
 
 
 # -- GELU with the bias add -----------------------------------------------------------------
+# gelu_tanh(v) = 0.5 v (1 + tanh(z)) = v sigmoid(2 z), z = c (v + a v^3): one exp_fast and one
+# division, no tanh and no branch. Saturation needs no special case: for large 2 z,
+# 1 + exp(-2 z) rounds to 1 and s is exactly 1 (so the derivative's 1 - s is 0, as NumPy's
+# 1 - tanh^2 is). The exponent is clamped to [-80, 80], which keeps exp(-2 z) and s normal
+# numbers (arithmetic on subnormals is slow).
+_GELU_LIM = 80.0
+
+
 def gelu_constants(dtype: np.dtype) -> np.ndarray:
-    """``[c, a, 3a, 0.5, 1]`` in ``dtype``: read from an array, they keep float32 kernels in
+    """``[2c, a, 3a, 1, 80]`` in ``dtype``: read from an array, they keep float32 kernels in
     float32 (a Python float literal would promote every operation to float64)."""
-    return np.array([GELU_C, GELU_A, 3.0 * GELU_A, 0.5, 1.0], dtype=dtype)
+    return np.array([2.0 * GELU_C, GELU_A, 3.0 * GELU_A, 1.0, _GELU_LIM], dtype=dtype)
+
+
+@njit(fastmath=_FM, error_model="numpy", cache=True)
+def _sigmoid_2z(v, k):  # pragma: no cover - compiled
+    """``sigmoid(2 c (v + a v^3)) = (1 + tanh(c (v + a v^3))) / 2``."""
+    z2 = k[0] * (v + k[1] * v * v * v)
+    return k[3] / (k[3] + exp_fast(min(max(-z2, -k[4]), k[4])))
 
 
 @kernel()
 def gelu(x, y, k):  # pragma: no cover - compiled
     """``y = gelu_tanh(x)``; ``k`` is :func:`gelu_constants` of the dtype."""
     n, f = x.shape
-    c, a, half, one = k[0], k[1], k[3], k[4]
     for i in prange(n):
         xr = x[i]
         yr = y[i]
         for j in range(f):
             v = xr[j]
-            t = tanh_fast(c * (v + a * v * v * v))
-            yr[j] = half * v * (one + t)
+            yr[j] = v * _sigmoid_2z(v, k)
 
 
 @kernel()
@@ -337,48 +301,47 @@ def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
     """``h += b`` in place (the pre-activation, kept for backward), ``y = gelu_tanh(h)``;
     ``k`` is :func:`gelu_constants` of the dtype."""
     n, f = h.shape
-    c, a, half, one = k[0], k[1], k[3], k[4]
     for i in prange(n):
         hr = h[i]
         yr = y[i]
         for j in range(f):
             v = hr[j] + b[j]
             hr[j] = v
-            t = tanh_fast(c * (v + a * v * v * v))
-            yr[j] = half * v * (one + t)
+            yr[j] = v * _sigmoid_2z(v, k)
 
 
 @kernel()
 def gelu_backward(h, dy, k):  # pragma: no cover - compiled
-    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place (the tanh recomputed from ``h``);
-    ``k`` is :func:`gelu_constants`. The bias gradient, a column sum, is left to the caller:
-    accumulating it here costs more than a separate pass."""
+    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place, ``gelu_tanh' = s + 2c v s (1 - s)
+    (1 + 3a v^2)`` with ``s`` recomputed from ``h``; ``k`` is :func:`gelu_constants`. The
+    bias gradient, a column sum, is left to the caller: accumulating it here costs more than
+    a separate pass."""
     n, f = h.shape
-    c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
+    c2, a3, one = k[0], k[2], k[3]
     for i in prange(n):
         hr = h[i]
         g = dy[i]
         for j in range(f):
             v = hr[j]
-            t = tanh_fast(c * (v + a * v * v * v))
-            g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
+            s = _sigmoid_2z(v, k)
+            g[j] = g[j] * (s + c2 * v * s * (one - s) * (one + a3 * v * v))
 
 
 @kernel()
 def gelu_backward_output(h, dy, y, k):  # pragma: no cover - compiled
     """:func:`gelu_backward` that also writes the forward's output ``gelu_tanh(h)`` into
-    ``y`` from the same tanh, for a caller that did not keep it."""
+    ``y`` from the same sigmoid, for a caller that did not keep it."""
     n, f = h.shape
-    c, a, a3, half, one = k[0], k[1], k[2], k[3], k[4]
+    c2, a3, one = k[0], k[2], k[3]
     for i in prange(n):
         hr = h[i]
         g = dy[i]
         yr = y[i]
         for j in range(f):
             v = hr[j]
-            t = tanh_fast(c * (v + a * v * v * v))
-            yr[j] = half * v * (one + t)
-            g[j] = g[j] * (half * (one + t) + half * v * (one - t * t) * c * (one + a3 * v * v))
+            s = _sigmoid_2z(v, k)
+            yr[j] = v * s
+            g[j] = g[j] * (s + c2 * v * s * (one - s) * (one + a3 * v * v))
 
 
 # -- cross-entropy --------------------------------------------------------------------------
