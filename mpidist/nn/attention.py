@@ -17,6 +17,7 @@ __all__ = [
     "FeedForward",
     "causal_attention",
     "causal_attention_backward",
+    "keeps_probabilities",
     "softmax_lastdim",
 ]
 
@@ -54,10 +55,10 @@ def _edges(t: int) -> list[int]:
 
 def _lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int]) -> None:
     """``out = a @ b`` for a causal (T, T) result: row block ``i`` only against columns
-    ``[0, edges[i + 1])``; the rest of the block (above the diagonal) is set to zero."""
+    ``[0, edges[i + 1])``; the rest of the block (above the diagonal) is left as it was, for
+    the softmax functions, which never read there and write zeros."""
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         np.matmul(a[..., lo:hi, :], b[..., :, :hi], out=out[..., lo:hi, :hi])
-        out[..., lo:hi, hi:] = 0.0
 
 
 def _lower_left(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int]) -> None:
@@ -75,14 +76,23 @@ def _lower_left_t(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int
         np.matmul(pt[..., lo:hi, lo:], b[..., lo:, :], out=out[..., lo:hi, :])
 
 
+def keeps_probabilities(t: int, head_dim: int) -> bool:
+    """Whether :func:`causal_attention` keeps its T x T probabilities for backward: where they
+    are no larger than the MLP's hidden activation (H T against 4 H D numbers per token,
+    so T <= 4 D), whose GELU output :class:`FeedForward` recomputes instead of keeping.
+    Longer sequences keep one log-sum-exp per score row and recompute the probabilities."""
+    return t <= 4 * head_dim
+
+
 def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
     """Causal softmax attention of ``qkv`` (B, T, 3 H D; columns q | k | v, head-major).
 
     Returns the output (B, T, H D) and what :func:`causal_attention_backward` needs: ``qkv``
-    and the probabilities P (B, H, T, T). Keeping P spares backward a recomputation of the
-    scores (one of the attention's seven matrix products) and of their exponentials. The
-    output is written head by head straight into its (B, T, H, D) layout, so no transpose
-    is copied. Not collective.
+    and either the probabilities P (B, H, T, T), which spares backward one of the seven
+    matrix products and the exponentials, or, for long sequences
+    (:func:`keeps_probabilities`), each score row's log-sum-exp (B, H, T). The output is
+    written head by head straight into its (B, T, H, D) layout, so no transpose is copied.
+    Not collective.
     """
     b, t, c3 = qkv.shape
     d = c3 // (3 * n_head)
@@ -91,23 +101,30 @@ def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
     s = np.empty((b, n_head, t, t), dtype=a.dtype)
     _lower_product(q, k.transpose(0, 1, 3, 2), s, edges)
-    F.causal_softmax(s, 1.0 / math.sqrt(d))
+    lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
     y = np.empty((b, t, n_head, d), dtype=s.dtype)
     _lower_left(s, v, y.transpose(0, 2, 1, 3), edges)
-    return y.reshape(b, t, n_head * d), (a, s)
+    return y.reshape(b, t, n_head * d), (a, s if keeps_probabilities(t, d) else lse)
 
 
 def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:
     """Gradient of :func:`causal_attention`'s ``qkv`` from that of its output ``dy``
     (B, T, H D), written block by block into one (B, T, 3 H D) array. Not collective."""
-    a, p = saved
+    a, kept = saved
     b, t, _, h, d = a.shape
     edges = _edges(t)
+    scale = 1.0 / math.sqrt(d)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
+    if kept.ndim == 4:
+        p = kept
+    else:  # log-sum-exp only: the scores again, and the probabilities from them
+        p = np.empty((b, h, t, t), dtype=a.dtype)
+        _lower_product(q, k.transpose(0, 1, 3, 2), p, edges)
+        F.causal_softmax_recompute(p, kept, scale)
     dyh = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)
     dp = np.empty((b, h, t, t), dtype=dy.dtype)
     _lower_product(dyh, v.transpose(0, 1, 3, 2), dp, edges)
-    F.causal_softmax_backward(p, dp, 1.0 / math.sqrt(d))  # dp <- dS
+    F.causal_softmax_backward(p, dp, scale)  # dp <- dS
     da = np.empty(a.shape, dtype=dp.dtype)
     _lower_left(dp, k, _heads(da, 0), edges)
     _lower_left_t(dp, q, _heads(da, 1), edges)
@@ -153,8 +170,8 @@ class FeedForward(Module):
     """GPT-2 MLP: ``proj(gelu(fc(x)))`` with hidden size ``4 n_embd`` (residual-scaled proj).
 
     Keeps for backward the fc output but not the GELU output: backward recomputes that in
-    the pass that applies GELU's derivative (the tanh is computed there anyway), which keeps
-    a step's activations as small as with the attention recomputing its probabilities."""
+    the pass that applies GELU's derivative (which computes the same sigmoid anyway). That
+    makes room for the attention's probabilities (:func:`keeps_probabilities`)."""
 
     def __init__(self, n_embd: int, n_layer: int = 1, bias: bool = True, hidden: int = 0) -> None:
         super().__init__()

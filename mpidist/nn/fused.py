@@ -35,6 +35,7 @@ __all__ = [
     "bias_gelu_backward",
     "causal_softmax",
     "causal_softmax_backward",
+    "causal_softmax_recompute",
     "cross_entropy",
     "cross_entropy_backward",
     "embedding_backward",
@@ -120,16 +121,14 @@ def _cuda() -> Any:
 
 
 # -- causal softmax -------------------------------------------------------------------------
-_MASKS: dict[tuple[int, str], np.ndarray] = {}
+_ABOVE: dict[int, np.ndarray] = {}
 
 
-def _mask(t: int, dtype: np.dtype) -> np.ndarray:
-    key = (t, np.dtype(dtype).str)
-    m = _MASKS.get(key)
+def _above(t: int) -> np.ndarray:
+    """Boolean (T, T): True above the diagonal (the entries the causal mask removes)."""
+    m = _ABOVE.get(t)
     if m is None:
-        # Additive mask: 0 on and below the diagonal, -inf above. Every row keeps its
-        # diagonal, so the row max is finite and the softmax well defined.
-        m = _MASKS[key] = np.triu(np.full((t, t), -np.inf, dtype=dtype), k=1)
+        m = _ABOVE[t] = np.triu(np.ones((t, t), dtype=bool), k=1)
     return m
 
 
@@ -137,7 +136,8 @@ def causal_softmax(s: Any, scale: float) -> Any:
     """In place on scores ``s`` of shape ``(..., T, T)``: row ``i`` of each matrix becomes
     ``softmax(scale * s[i, :i+1])`` followed by zeros (the probabilities P, which
     :func:`causal_softmax_backward` takes). Returns the log-sum-exp of each scaled row,
-    shape ``(..., T)``."""
+    shape ``(..., T)``. Entries above the diagonal are never read (they may be left
+    uninitialised), here and in the two functions below."""
     if _on_device(s):
         return _cuda().causal_softmax(s, scale)
     t = s.shape[-1]
@@ -145,8 +145,9 @@ def causal_softmax(s: Any, scale: float) -> Any:
         lse = np.empty(s.shape[:-1], dtype=s.dtype)
         _cpu.causal_softmax(s.reshape(-1, t, t), s.dtype.type(scale), lse.reshape(-1, t))
         return lse
+    # Every row keeps its diagonal, so the row max is finite and the softmax well defined.
+    np.copyto(s, -np.inf, where=_above(t))
     s *= scale
-    s += _mask(t, s.dtype)
     m = s.max(axis=-1, keepdims=True)
     s -= m
     np.exp(s, out=s)
@@ -168,10 +169,29 @@ def causal_softmax_backward(p: Any, dp: Any, scale: float) -> None:
         _cpu.causal_softmax_backward(p.reshape(-1, t, t), dp.reshape(-1, t, t),
                                      p.dtype.type(scale))
         return None
+    np.copyto(dp, 0, where=_above(t))
     dot = np.sum(p * dp, axis=-1, keepdims=True)
     dp -= dot
     dp *= p
     dp *= scale
+    return None
+
+
+def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
+    """In place on raw scores ``s`` (..., T, T): the probabilities that
+    :func:`causal_softmax` left, from the log-sum-exp it returned (for a caller that kept
+    that instead of the T x T probabilities)."""
+    if _on_device(s, lse):
+        return _cuda().causal_softmax_recompute(s, lse, scale)
+    t = s.shape[-1]
+    if _numba(s, lse) and s.flags.c_contiguous:
+        _cpu.causal_softmax_recompute(s.reshape(-1, t, t), _c(lse).reshape(-1, t),
+                                      s.dtype.type(scale))
+        return None
+    np.copyto(s, -np.inf, where=_above(t))
+    s *= scale
+    s -= lse[..., None]
+    np.exp(s, out=s)
     return None
 
 
@@ -371,8 +391,10 @@ def _warm_up_once() -> None:
         for dt in (np.float32, np.float64):
             rng = np.random.default_rng(0)
             s = rng.standard_normal((2, 3, 3)).astype(dt)
-            causal_softmax(s, 0.5)
+            raw = s.copy()
+            lse = causal_softmax(s, 0.5)
             causal_softmax_backward(s, np.ones_like(s), 0.5)
+            causal_softmax_recompute(raw, lse, 0.5)
             x, w, b = np.ones((2, 4), dt), np.ones(4, dt), np.zeros(4, dt)
             _, mean, rstd = layer_norm(x, w, b, 1e-5)
             layer_norm_backward(x, x, w, mean, rstd, w.copy(), b.copy())

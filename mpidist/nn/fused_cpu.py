@@ -45,6 +45,7 @@ __all__ = [
     "gelu_backward_output",
     "causal_softmax",
     "causal_softmax_backward",
+    "causal_softmax_recompute",
     "cross_entropy",
     "cross_entropy_backward",
     "embedding_backward",
@@ -198,6 +199,22 @@ def causal_softmax_backward(p, dp, scale):  # pragma: no cover - compiled
                 drow[j] = scale * prow[j] * (drow[j] - dot)
             for j in range(i + 1, t):
                 drow[j] = zero
+
+
+@kernel()
+def causal_softmax_recompute(s, lse, scale):  # pragma: no cover - compiled
+    """In place on the raw scores ``s`` (R, T, T): row i becomes the probabilities
+    ``exp(scale * s[:i+1] - lse[i])`` followed by zeros (what :func:`causal_softmax` left)."""
+    nmat, t = s.shape[0], s.shape[1]
+    zero = s.dtype.type(0)
+    for r in prange(nmat):
+        for i in range(t):
+            row = s[r, i]
+            c = lse[r, i]
+            for j in range(i + 1):
+                row[j] = exp_fast(row[j] * scale - c)
+            for j in range(i + 1, t):
+                row[j] = zero
 
 
 # -- layer norm -----------------------------------------------------------------------------

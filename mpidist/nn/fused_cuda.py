@@ -25,6 +25,7 @@ __all__ = [
     "bias_gelu_backward",
     "causal_softmax",
     "causal_softmax_backward",
+    "causal_softmax_recompute",
     "cross_entropy",
     "cross_entropy_backward",
     "embedding_backward",
@@ -81,6 +82,18 @@ def _softmax_rows_backward(p, dp, scale):  # pragma: no cover - device code
             dp[row, j] = 0.0
 
 
+@cuda.jit
+def _softmax_rows_recompute(s, lse, scale):  # pragma: no cover - device code
+    t = s.shape[1]
+    for row in range(cuda.grid(1), s.shape[0], cuda.gridsize(1)):
+        i = row % t
+        c = lse[row]
+        for j in range(i + 1):
+            s[row, j] = math.exp(s[row, j] * scale - c)
+        for j in range(i + 1, t):
+            s[row, j] = 0.0
+
+
 def causal_softmax(s: Any, scale: float) -> Any:
     """See :func:`mpidist.nn.fused.causal_softmax` (``s``: contiguous device array)."""
     s = _dev(s)
@@ -98,6 +111,14 @@ def causal_softmax_backward(p: Any, dp: Any, scale: float) -> None:
     t = tuple(p.shape)[-1]
     rows = p.size // t
     _softmax_rows_backward[_grid(rows)](p.reshape(rows, t), dp.reshape(rows, t), scale)
+
+
+def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
+    """See :func:`mpidist.nn.fused.causal_softmax_recompute`."""
+    s, lse = _dev(s), _dev(lse)
+    t = tuple(s.shape)[-1]
+    rows = s.size // t
+    _softmax_rows_recompute[_grid(rows)](s.reshape(rows, t), lse.reshape(rows), scale)
 
 
 # -- layer norm -----------------------------------------------------------------------------

@@ -51,24 +51,30 @@ def test_causal_softmax(dtype: type, t: int) -> None:
     rng = np.random.default_rng(t)
     s0 = (3 * rng.standard_normal((2, 3, t, t))).astype(dtype)
     dp0 = rng.standard_normal(s0.shape).astype(dtype)
+    above = np.triu(np.ones((t, t), bool), 1)
+    s0[..., above] = np.nan  # never read: the attention leaves it uninitialised
+    dp0[..., above] = np.inf
 
     def run():
         s = s0.copy()
         lse = F.causal_softmax(s, 0.37)
         dp = dp0.copy()
         F.causal_softmax_backward(s, dp, 0.37)
-        return s, lse, dp
+        p = s0.copy()
+        F.causal_softmax_recompute(p, lse, 0.37)
+        return s, lse, dp, p
 
     ref, got = both(run)
     assert_same(ref, got, dtype)
-    s, lse, dp = got
+    s, lse, dp, p = got
+    np.testing.assert_allclose(p, s, **tol(dtype))  # recomputed from lse: forward's P
     assert np.all(np.triu(s[0, 0], 1) == 0) and np.all(np.triu(dp[0, 0], 1) == 0)
     np.testing.assert_allclose(s.sum(axis=-1), 1.0, **tol(dtype))
     # Independent of both paths: lse and the gradient of the scaled, masked scores.
     z = np.where(np.tril(np.ones((t, t), bool)), 0.37 * s0.astype(np.float64), -np.inf)
     np.testing.assert_allclose(lse, np.log(np.exp(z).sum(axis=-1)), **tol(dtype, 4))
     p64 = np.exp(z - np.log(np.exp(z).sum(axis=-1, keepdims=True)))
-    d64 = dp0.astype(np.float64)
+    d64 = np.where(above, 0.0, dp0.astype(np.float64))
     ds = 0.37 * p64 * (d64 - (p64 * d64).sum(axis=-1, keepdims=True))
     np.testing.assert_allclose(dp, ds, **tol(dtype, 4))
 
@@ -176,18 +182,24 @@ def test_gpt_step_same_with_either_kernels(dtype: type) -> None:
 
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
 @pytest.mark.parametrize("t", [5, 33, 40, 100, 131])
-def test_causal_attention_matches_dense(kernels: str, t: int) -> None:
+@pytest.mark.parametrize("d", [4, 40])
+def test_causal_attention_matches_dense(kernels: str, t: int, d: int) -> None:
     """Attention (which skips the masked blocks of queries x keys from T = 32 on: 2, 3 or 4
     row blocks, uneven for 100 and 131) against a dense transcription, forward and backward,
-    float64."""
-    from mpidist.nn.attention import causal_attention, causal_attention_backward
+    float64; keeping the probabilities (T <= 4 D) or recomputing them from the log-sum-exp."""
+    from mpidist.nn.attention import (
+        causal_attention,
+        causal_attention_backward,
+        keeps_probabilities,
+    )
 
-    b, h, d = 2, 3, 4
+    b, h = 2, 3
     rng = np.random.default_rng(t)
     qkv = rng.standard_normal((b, t, 3 * h * d))
     dy = rng.standard_normal((b, t, h * d))
     with F.use_kernels(kernels):
         y, saved = causal_attention(qkv, h)
+        assert saved[1].shape == ((b, h, t, t) if keeps_probabilities(t, d) else (b, h, t))
         dqkv = causal_attention_backward(dy, saved)
 
     a = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)

@@ -44,6 +44,9 @@ def test_causal_softmax_matches_cpu() -> None:
     np.testing.assert_allclose(host(dlse), lse, **TOL)
     F.causal_softmax_backward(ds, ddp, 0.7)
     np.testing.assert_allclose(host(ddp), dp, **TOL)
+    dp2 = dev(s0)
+    F.causal_softmax_recompute(dp2, dlse, 0.7)
+    np.testing.assert_allclose(host(dp2), s, **TOL)
 
 
 def test_layer_norm_matches_cpu() -> None:
