@@ -84,15 +84,16 @@ def keeps_probabilities(t: int, head_dim: int) -> bool:
     return t <= 4 * head_dim
 
 
-def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
+def causal_attention(qkv: np.ndarray, n_head: int, *,
+                     keep_probabilities: bool | None = None) -> tuple[np.ndarray, tuple]:
     """Causal softmax attention of ``qkv`` (B, T, 3 H D; columns q | k | v, head-major).
 
     Returns the output (B, T, H D) and what :func:`causal_attention_backward` needs: ``qkv``
     and either the probabilities P (B, H, T, T), which spares backward one of the seven
-    matrix products and the exponentials, or, for long sequences
-    (:func:`keeps_probabilities`), each score row's log-sum-exp (B, H, T). The output is
-    written head by head straight into its (B, T, H, D) layout, so no transpose is copied.
-    Not collective.
+    matrix products and the exponentials, or each score row's log-sum-exp (B, H, T).
+    ``keep_probabilities`` chooses; ``None`` keeps P where :func:`keeps_probabilities` says.
+    The output is written head by head straight into its (B, T, H, D) layout, so no
+    transpose is copied. Not collective.
     """
     b, t, c3 = qkv.shape
     d = c3 // (3 * n_head)
@@ -104,7 +105,9 @@ def causal_attention(qkv: np.ndarray, n_head: int) -> tuple[np.ndarray, tuple]:
     lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
     y = np.empty((b, t, n_head, d), dtype=s.dtype)
     _lower_left(s, v, y.transpose(0, 2, 1, 3), edges)
-    return y.reshape(b, t, n_head * d), (a, s if keeps_probabilities(t, d) else lse)
+    if keep_probabilities is None:
+        keep_probabilities = keeps_probabilities(t, d)
+    return y.reshape(b, t, n_head * d), (a, s if keep_probabilities else lse)
 
 
 def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:

@@ -556,7 +556,9 @@ class TPCausalSelfAttention(TensorParallelModule):
             raise ValueError(
                 f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"
             )
-        y, saved = causal_attention(self.qkv.forward(x, ctx), self.local_heads)
+        # Keeps the log-sum-exp, not the probabilities: TPFeedForward keeps its GELU output.
+        y, saved = causal_attention(self.qkv.forward(x, ctx), self.local_heads,
+                                    keep_probabilities=False)
         self._save(ctx, saved)
         return self.proj.forward(y, ctx)
 
