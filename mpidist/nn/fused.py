@@ -1,9 +1,9 @@
 """Fused kernels of the layers, with the NumPy reference of each, behind one setting.
 
 The layers hand everything between their matrix products to the functions here: the causal
-softmax with scale and mask (forward, and a backward from the probabilities the forward
-left), layer norm, GELU with the bias
-add folded in, cross-entropy with its log-softmax, and the embedding's scatter-add. Each runs
+softmax with scale and mask (forward, a backward from the probabilities the forward left,
+and their recomputation from its log-sum-exp), layer norm, GELU with the bias add folded in,
+cross-entropy with its log-softmax, and the embedding's scatter-add. Each runs
 as one Numba kernel (:mod:`mpidist.nn.fused_cpu`; NumPy arrays) or one ``numba.cuda`` kernel
 (:mod:`mpidist.nn.fused_cuda`; arrays with ``__cuda_array_interface__``), or as the NumPy
 transcription below, which is the reference the kernels are tested against.

@@ -301,6 +301,12 @@ def _sigmoid_2z(v, k):  # pragma: no cover - compiled
     return k[3] / (k[3] + exp_fast(min(max(-z2, -k[4]), k[4])))
 
 
+@njit(fastmath=_FM, error_model="numpy", cache=True)
+def _gelu_slope(v, s, k):  # pragma: no cover - compiled
+    """``gelu_tanh'(v) = s + 2c v s (1 - s) (1 + 3a v^2)`` given ``s = _sigmoid_2z(v, k)``."""
+    return s + k[0] * v * s * (k[3] - s) * (k[3] + k[2] * v * v)
+
+
 @kernel()
 def gelu(x, y, k):  # pragma: no cover - compiled
     """``y = gelu_tanh(x)``; ``k`` is :func:`gelu_constants` of the dtype."""
@@ -329,19 +335,16 @@ def bias_gelu(h, b, y, k):  # pragma: no cover - compiled
 
 @kernel()
 def gelu_backward(h, dy, k):  # pragma: no cover - compiled
-    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place, ``gelu_tanh' = s + 2c v s (1 - s)
-    (1 + 3a v^2)`` with ``s`` recomputed from ``h``; ``k`` is :func:`gelu_constants`. The
-    bias gradient, a column sum, is left to the caller: accumulating it here costs more than
-    a separate pass."""
+    """``dy`` becomes ``dy * gelu_tanh'(h)`` in place (:func:`_gelu_slope`, the sigmoid
+    recomputed from ``h``); ``k`` is :func:`gelu_constants`. The bias gradient, a column
+    sum, is left to the caller: accumulating it here costs more than a separate pass."""
     n, f = h.shape
-    c2, a3, one = k[0], k[2], k[3]
     for i in prange(n):
         hr = h[i]
         g = dy[i]
         for j in range(f):
             v = hr[j]
-            s = _sigmoid_2z(v, k)
-            g[j] = g[j] * (s + c2 * v * s * (one - s) * (one + a3 * v * v))
+            g[j] = g[j] * _gelu_slope(v, _sigmoid_2z(v, k), k)
 
 
 @kernel()
@@ -349,7 +352,6 @@ def gelu_backward_output(h, dy, y, k):  # pragma: no cover - compiled
     """:func:`gelu_backward` that also writes the forward's output ``gelu_tanh(h)`` into
     ``y`` from the same sigmoid, for a caller that did not keep it."""
     n, f = h.shape
-    c2, a3, one = k[0], k[2], k[3]
     for i in prange(n):
         hr = h[i]
         g = dy[i]
@@ -358,7 +360,7 @@ def gelu_backward_output(h, dy, y, k):  # pragma: no cover - compiled
             v = hr[j]
             s = _sigmoid_2z(v, k)
             yr[j] = v * s
-            g[j] = g[j] * (s + c2 * v * s * (one - s) * (one + a3 * v * v))
+            g[j] = g[j] * _gelu_slope(v, s, k)
 
 
 # -- cross-entropy --------------------------------------------------------------------------

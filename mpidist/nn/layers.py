@@ -266,8 +266,8 @@ class GELU(Module):
     def backward_output(self, dy: np.ndarray, ctx: Hashable = None, *,
                         bias_grad: np.ndarray | None = None,
                         overwrite: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`backward` that also returns forward's output, recomputed from the same
-        tanh: ``(dy * gelu'(x), gelu(x))``, for a caller that did not keep the output."""
+        """:meth:`backward` that also returns forward's output, recomputed in the same
+        pass: ``(dy * gelu'(x), gelu(x))``, for a caller that did not keep the output."""
         h = self._take(ctx)
         d, y = F.bias_gelu_backward(h, dy.reshape(h.shape), bias_grad, inplace=overwrite,
                                     output=True)
