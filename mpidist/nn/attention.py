@@ -97,6 +97,11 @@ def causal_attention(qkv: np.ndarray, n_head: int, *,
     """
     b, t, c3 = qkv.shape
     d = c3 // (3 * n_head)
+    if keep_probabilities is None:
+        keep_probabilities = keeps_probabilities(t, d)
+    if F.attention_kernel_applies(qkv):
+        y, kept = F.attention_forward(qkv, n_head, 1.0 / math.sqrt(d), keep_probabilities)
+        return y, (qkv.reshape(b, t, 3, n_head, d), kept)
     edges = _edges(t)
     a = qkv.reshape(b, t, 3, n_head, d)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
@@ -105,8 +110,6 @@ def causal_attention(qkv: np.ndarray, n_head: int, *,
     lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
     y = np.empty((b, t, n_head, d), dtype=s.dtype)
     _lower_left(s, v, y.transpose(0, 2, 1, 3), edges)
-    if keep_probabilities is None:
-        keep_probabilities = keeps_probabilities(t, d)
     return y.reshape(b, t, n_head * d), (a, s if keep_probabilities else lse)
 
 
@@ -115,8 +118,10 @@ def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:
     (B, T, H D), written block by block into one (B, T, 3 H D) array. Not collective."""
     a, kept = saved
     b, t, _, h, d = a.shape
-    edges = _edges(t)
     scale = 1.0 / math.sqrt(d)
+    if F.attention_kernel_applies(a, dy, kept):
+        return F.attention_backward(dy, a.reshape(b, t, 3 * h * d), kept, h, scale)
+    edges = _edges(t)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
     if kept.ndim == 4:
         p = kept

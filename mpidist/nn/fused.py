@@ -31,6 +31,9 @@ __all__ = [
     "GELU_A",
     "GELU_C",
     "HAVE_NUMBA",
+    "attention_backward",
+    "attention_forward",
+    "attention_kernel_applies",
     "bias_gelu",
     "bias_gelu_backward",
     "causal_softmax",
@@ -68,6 +71,15 @@ except ImportError:  # pragma: no cover - exercised only without numba
     _cpu = None  # type: ignore[assignment]
 
 HAVE_NUMBA = _cpu is not None
+try:  # the attention kernels also need a BLAS they can call (see mpidist.nn.blas)
+    from . import blas as _blas
+
+    if _blas.AVAILABLE:
+        from . import attention_cpu as _attn
+    else:
+        _attn = None  # type: ignore[assignment]
+except ImportError:  # pragma: no cover - exercised only without numba
+    _attn = None  # type: ignore[assignment]
 _choice = _initial_choice()
 
 
@@ -193,6 +205,54 @@ def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
     s -= lse[..., None]
     np.exp(s, out=s)
     return None
+
+
+# -- causal attention (one kernel per direction) -------------------------------------------
+#: Query rows per block of the attention kernels: smaller blocks skip more of the masked
+#: products, but products of fewer rows run further from the BLAS's peak.
+ATTENTION_ROWS = 64
+
+
+def attention_kernel_applies(*arrays: Any) -> bool:
+    """Whether :func:`attention_forward`/:func:`attention_backward` run for these arrays: the
+    Numba kernels are chosen, a callable BLAS was found (:mod:`mpidist.nn.blas`), and the
+    arrays are C-contiguous NumPy arrays of one float dtype. Elsewhere the attention runs as
+    NumPy products around :func:`causal_softmax` and :func:`causal_softmax_backward`."""
+    return (_attn is not None and _numba(*arrays)
+            and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
+
+
+def attention_forward(qkv: np.ndarray, n_head: int, scale: float,
+                      keep_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Causal attention of ``qkv`` (B, T, 3 H D) by :mod:`mpidist.nn.attention_cpu`: the
+    output (B, T, H D) and what backward needs, the probabilities P (B, H, T, T), zero
+    above the diagonal, if ``keep_probabilities``, else each score row's log-sum-exp
+    (B, H, T). Only where :func:`attention_kernel_applies`."""
+    b, t, c3 = qkv.shape
+    dt = qkv.dtype
+    p = np.empty((b, n_head, t, t) if keep_probabilities else (1, 1, t, t), dtype=dt)
+    lse = np.empty((b, n_head, t), dtype=dt)
+    y = np.empty((b, t, c3 // 3), dtype=dt)
+    _attn.attention_forward(qkv, n_head, dt.type(scale), p, keep_probabilities, lse, y,
+                            np.empty((c3 // (3 * n_head), t), dtype=dt), ATTENTION_ROWS)
+    return y, p if keep_probabilities else lse
+
+
+def attention_backward(dy: np.ndarray, qkv: np.ndarray, kept: np.ndarray, n_head: int,
+                       scale: float) -> np.ndarray:
+    """Gradient (B, T, 3 H D) of :func:`attention_forward`'s ``qkv`` from that of its output
+    ``dy``, given what the forward kept (P or the log-sum-exp). Only where
+    :func:`attention_kernel_applies`."""
+    t, c3 = qkv.shape[1:]
+    dt = qkv.dtype
+    keep = kept.ndim == 4
+    p = kept if keep else np.empty((1, 1, t, t), dtype=dt)
+    lse = kept if not keep else np.empty((1, 1, t), dtype=dt)
+    da = np.empty(qkv.shape, dtype=dt)
+    _attn.attention_backward(qkv, _c(dy), n_head, dt.type(scale), p, keep, lse,
+                             np.empty((t, t), dtype=dt), da,
+                             np.empty((c3 // (3 * n_head), t), dtype=dt), ATTENTION_ROWS)
+    return da
 
 
 # -- layer norm -----------------------------------------------------------------------------
@@ -407,3 +467,8 @@ def _warm_up_once() -> None:
             _, lse = cross_entropy(x, ids)
             cross_entropy_backward(x, ids, lse, 0.5)
             embedding_backward(x, np.array([1, 1]), x.copy())
+            qkv = rng.standard_normal((1, 2, 6)).astype(dt)
+            if attention_kernel_applies(qkv):
+                for keep in (True, False):
+                    y, kept = attention_forward(qkv, 1, 0.5, keep)
+                    attention_backward(y, qkv, kept, 1, 0.5)

@@ -243,3 +243,58 @@ def test_parallel_kernels_match_serial() -> None:
     finally:
         fused_cpu.FORCE_PARALLEL = None
     assert_same(results[0], results[1], np.float64, scale=10)
+
+
+@pytest.mark.skipif(not F.attention_kernel_applies(np.zeros(1)),
+                    reason="no BLAS callable from Numba (mpidist.nn.blas)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("t", [1, 31, 64, 65, 131])
+@pytest.mark.parametrize("keep", [True, False], ids=["P", "lse"])
+@pytest.mark.parametrize("rows", [32, 64])
+def test_attention_kernels_match_numpy_path(dtype: type, t: int, keep: bool, rows: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernels (one per direction, head by head in row blocks, lengths that
+    are and are not multiples of the block) against the NumPy path, forward and backward;
+    what either forward keeps serves either backward; P is zero above the diagonal."""
+    from mpidist.nn.attention import causal_attention, causal_attention_backward
+
+    monkeypatch.setattr(F, "ATTENTION_ROWS", rows)
+    b, h, d = 2, 3, 8
+    rng = np.random.default_rng(t)
+    qkv = (2 * rng.standard_normal((b, t, 3 * h * d))).astype(dtype)
+    dy = rng.standard_normal((b, t, h * d)).astype(dtype)
+    out = {}
+    for kernels in ("numba", "numpy"):
+        with F.use_kernels(kernels):
+            y, saved = causal_attention(qkv, h, keep_probabilities=keep)
+            out[kernels] = (y, saved[1], causal_attention_backward(dy, saved), saved)
+    for ref, got in zip(out["numpy"][:3], out["numba"][:3], strict=True):
+        np.testing.assert_allclose(got, ref, **tol(dtype, 10 * np.abs(ref).max()))
+    if keep:
+        p = out["numba"][1]
+        assert np.all(p[..., np.triu(np.ones((t, t), bool), 1)] == 0)
+        np.testing.assert_allclose(p.sum(axis=-1), 1.0, **tol(dtype))
+    for forward, backward in (("numba", "numpy"), ("numpy", "numba")):
+        with F.use_kernels(backward):
+            da = causal_attention_backward(dy, out[forward][3])
+        ref = out["numpy"][2]
+        np.testing.assert_allclose(da, ref, **tol(dtype, 10 * np.abs(ref).max()))
+
+
+def test_fmax_is_maxnum() -> None:
+    """``fused_cpu.fmax``, the vectorisable maximum: a NaN operand gives the other one."""
+    from numba import njit
+
+    from mpidist.nn.fused_cpu import fmax
+
+    @njit
+    def running_max(x):
+        m = x.dtype.type(-np.inf)
+        for v in x:
+            m = fmax(m, v)
+        return m
+
+    x = np.array([1.0, np.nan, 3.0, -2.0])
+    assert running_max(x) == 3.0
+    assert running_max(x.astype(np.float32)) == np.float32(3.0)
+    assert running_max(np.array([np.nan])) == -np.inf
