@@ -98,24 +98,13 @@ def _softmax_backward_rows(p, dp, lo, hi, scale):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
-def _transpose_head(qkv, b, col, d, out):  # pragma: no cover - compiled
-    """``out`` (D, T) = columns ``col:col+d`` of ``qkv[b]`` transposed: the keys (or values)
-    of one head as the right operand of a product without a transpose (BLAS runs
-    ``A @ B.T`` of these shapes at 2/3 of the speed of ``A @ B``)."""
-    t = qkv.shape[1]
-    for j in range(t):
-        src = qkv[b, j]
-        for e in range(d):
-            out[e, j] = src[col + e]
-
-
-@njit(**_OPTS)
-def attention_forward(qkv, n_head, scale, p, keep, lse, y, kt, rows):  # pragma: no cover
+def attention_forward(qkv, kt, n_head, scale, p, keep, lse, y, rows):  # pragma: no cover
     """Causal attention of ``qkv`` (B, T, 3 C; columns q | k | v, head-major) into ``y``
-    (B, T, C), in blocks of ``rows`` query rows. ``p`` is (B, H, T, T) and receives every
-    head's probabilities when ``keep``; otherwise it is one (1, 1, T, T) scratch block.
-    ``lse`` (B, H, T) receives each score row's log-sum-exp; ``kt`` is a (D, T) scratch
-    block. All arrays C-contiguous, of one dtype."""
+    (B, T, C), in blocks of ``rows`` query rows; ``kt`` (B, H, D, T) holds the keys of
+    every head transposed (BLAS runs ``A @ B.T`` of these shapes at 2/3 of the speed of
+    ``A @ B``). ``p`` is (B, H, T, T) and receives every head's probabilities when
+    ``keep``; otherwise it is one (1, 1, T, T) scratch block. ``lse`` (B, H, T) receives
+    each score row's log-sum-exp. All arrays C-contiguous, of one dtype."""
     bsz, t, c3 = qkv.shape
     c = c3 // 3
     d = c // n_head
@@ -129,22 +118,25 @@ def attention_forward(qkv, n_head, scale, p, keep, lse, y, kt, rows):  # pragma:
             ph = b * n_head + h if keep else 0
             ps = p[ph // n_head, ph % n_head]
             p0 = ph * t * t
-            _transpose_head(qkv, b, c + h * d, d, kt)
+            kt0 = (b * n_head + h) * d * t
             for lo in range(0, t, rows):
                 hi = min(t, lo + rows)
-                gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt, 0, t,
-                     zero, p, p0 + lo * t, t)
+                gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt, kt0,
+                     t, zero, p, p0 + lo * t, t)
                 _softmax_rows(ps, lo, hi, scale, lse[b, h])
                 gemm(NO_TRANS, NO_TRANS, hi - lo, d, hi, one, p, p0 + lo * t, t, qkv, v0, c3,
                      zero, y, y0 + lo * c, c)
 
 
 @njit(**_OPTS)
-def attention_backward(qkv, dy, n_head, scale, p, keep, lse, dp, da, kt, rows):  # pragma: no cover
+def attention_backward(qkv, kt, vt, dy, n_head, scale, p, keep, lse, dp, da,
+                       rows):  # pragma: no cover - compiled
     """Gradient ``da`` (B, T, 3 C) of :func:`attention_forward`'s ``qkv`` from that of its
-    output ``dy`` (B, T, C). ``p``: the kept probabilities (B, H, T, T) when ``keep``, else a
-    (1, 1, T, T) scratch block that the head's P is recomputed into from ``lse``; ``dp``: a
-    (T, T) and ``kt`` a (D, T) scratch block. All arrays C-contiguous, of one dtype."""
+    output ``dy`` (B, T, C). ``vt`` (B, H, D, T): the values transposed; ``kt``: the keys
+    transposed where ``keep`` is False (else unused). ``p``: the kept probabilities
+    (B, H, T, T) when ``keep``, else a (1, 1, T, T) scratch block that the head's P is
+    recomputed into from ``lse``; ``dp``: a (T, T) scratch block. All arrays C-contiguous,
+    of one dtype."""
     bsz, t, c3 = qkv.shape
     c = c3 // 3
     d = c // n_head
@@ -159,18 +151,17 @@ def attention_backward(qkv, dy, n_head, scale, p, keep, lse, dp, da, kt, rows): 
             ph = b * n_head + h if keep else 0
             ps = p[ph // n_head, ph % n_head]
             p0 = ph * t * t
+            t0 = (b * n_head + h) * d * t
             if not keep:
-                _transpose_head(qkv, b, c + h * d, d, kt)
                 for lo in range(0, t, rows):
                     hi = min(t, lo + rows)
-                    gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt, 0,
-                         t, zero, p, lo * t, t)
+                    gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt,
+                         t0, t, zero, p, lo * t, t)
                     _recompute_rows(ps, lo, hi, scale, lse[b, h])
-            _transpose_head(qkv, b, 2 * c + h * d, d, kt)
             for lo in range(0, t, rows):
                 hi = min(t, lo + rows)
                 # dP = dY V^T, then dS in its place, then dQ = dS K
-                gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, dy, g0 + lo * c, c, kt, 0, t,
+                gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, dy, g0 + lo * c, c, vt, t0, t,
                      zero, dp, lo * t, t)
                 _softmax_backward_rows(ps, dp, lo, hi, scale)
                 gemm(NO_TRANS, NO_TRANS, hi - lo, d, hi, one, dp, lo * t, t, qkv, k0, c3, zero,

@@ -24,7 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "LIBRARY", "NO_TRANS", "TRANS", "gemm"]
+try:  # Numba is a dependency of mpidist; without it the layers use NumPy's products alone.
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+    from numba import njit
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - exercised only without numba
+    llvm = None
+
+__all__ = ["AVAILABLE", "LIBRARY", "NO_TRANS", "TRANS", "add_transposed_product", "gemm"]
 
 NO_TRANS = 111  # CblasNoTrans
 TRANS = 112  # CblasTrans
@@ -73,7 +82,7 @@ def _checked(fn: ctypes._CFuncPtr, ctype: type, dtype: type) -> bool:
 
 
 def _find() -> tuple[str | None, dict[np.dtype, int]]:
-    if os.environ.get("MPIDIST_NN_BLAS", "1") == "0":
+    if llvm is None or os.environ.get("MPIDIST_NN_BLAS", "1") == "0":
         return None, {}
     for path in _candidates():
         try:
@@ -98,56 +107,73 @@ LIBRARY, _ADDRESSES = _find()
 AVAILABLE = LIBRARY is not None
 
 if AVAILABLE:
-    import llvmlite.binding as llvm
-
     for _dt, _addr in _ADDRESSES.items():
         llvm.add_symbol(SYMBOLS[_dt], _addr)
 
 
-from llvmlite import ir  # noqa: E402  (after the symbols are registered)
-from numba.core import cgutils, types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+def add_transposed_product(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """``out += a.T @ b`` (``a`` (N, K), ``b`` (N, M), ``out`` (K, M)) as one BLAS call that
+    accumulates into ``out`` (no temporary product) where :data:`AVAILABLE` and the three
+    arrays are C-contiguous and of one float dtype; otherwise with NumPy. Not collective."""
+    if (AVAILABLE and out.dtype in SYMBOLS and a.dtype == b.dtype == out.dtype
+            and a.ndim == b.ndim == out.ndim == 2 and a.shape[0] == b.shape[0]
+            and out.shape == (a.shape[1], b.shape[1])
+            and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
+        _add_transposed_product(out, a, b)
+    else:
+        out += a.T @ b
 
 
-@intrinsic
-def gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c,
-         c_off, ldc):  # pragma: no cover - compiled
-    """``gemm(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off,
-    ldc)`` in compiled code: ``C = alpha op(A) op(B) + beta C`` (row major), where ``A``
-    starts at element ``a_off`` of the array ``a`` and has leading dimension ``lda`` (likewise
-    ``B`` and ``C``), and ``trans_*`` are :data:`NO_TRANS` or :data:`TRANS`. Arrays of one
-    float dtype. Call it only where :data:`AVAILABLE`: elsewhere the routine is not linked."""
-    dt = c.dtype
-    if not (isinstance(dt, types.Float) and all(isinstance(x, types.Array) and x.dtype == dt
-                                                for x in (a, b, c))):
-        return None
-    sig = types.void(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c,
-                     c_off, ldc)
-    name = SYMBOLS[np.dtype(str(dt))]
+if llvm is not None:
+    @intrinsic
+    def gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c,
+             c_off, ldc):  # pragma: no cover - compiled
+        """``gemm(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off,
+        ldc)`` in compiled code: ``C = alpha op(A) op(B) + beta C`` (row major), where ``A``
+        starts at element ``a_off`` of the array ``a`` and has leading dimension ``lda`` (likewise
+        ``B`` and ``C``), and ``trans_*`` are :data:`NO_TRANS` or :data:`TRANS`. Arrays of one
+        float dtype. Call it only where :data:`AVAILABLE`: elsewhere the routine is not linked."""
+        dt = c.dtype
+        if not (isinstance(dt, types.Float) and all(isinstance(x, types.Array) and x.dtype == dt
+                                                    for x in (a, b, c))):
+            return None
+        sig = types.void(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c,
+                         c_off, ldc)
+        name = SYMBOLS[np.dtype(str(dt))]
 
-    def codegen(context, builder, signature, args):
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        ft = context.get_value_type(dt)
-        fp = ft.as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, ft, fp, i64, fp,
-                                               i64, ft, fp, i64])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, name)
-        tys = signature.args
+        def codegen(context, builder, signature, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            ft = context.get_value_type(dt)
+            fp = ft.as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, ft, fp, i64, fp,
+                                                   i64, ft, fp, i64])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            tys = signature.args
 
-        def cast(i, to):
-            return context.cast(builder, args[i], tys[i], to)
+            def cast(i, to):
+                return context.cast(builder, args[i], tys[i], to)
 
-        def ptr(i):  # array i, offset by the element count that follows it
-            arr = context.make_array(tys[i])(context, builder, args[i])
-            return builder.gep(arr.data, [cast(i + 1, types.int64)])
+            def ptr(i):  # array i, offset by the element count that follows it
+                arr = context.make_array(tys[i])(context, builder, args[i])
+                return builder.gep(arr.data, [cast(i + 1, types.int64)])
 
-        builder.call(fn, [
-            ir.Constant(i32, _ROW_MAJOR), builder.trunc(cast(0, types.int64), i32),
-            builder.trunc(cast(1, types.int64), i32), cast(2, types.int64),
-            cast(3, types.int64), cast(4, types.int64), cast(5, dt), ptr(6),
-            cast(8, types.int64), ptr(9), cast(11, types.int64), cast(12, dt), ptr(13),
-            cast(15, types.int64),
-        ])
-        return context.get_dummy_value()
+            builder.call(fn, [
+                ir.Constant(i32, _ROW_MAJOR), builder.trunc(cast(0, types.int64), i32),
+                builder.trunc(cast(1, types.int64), i32), cast(2, types.int64),
+                cast(3, types.int64), cast(4, types.int64), cast(5, dt), ptr(6),
+                cast(8, types.int64), ptr(9), cast(11, types.int64), cast(12, dt), ptr(13),
+                cast(15, types.int64),
+            ])
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+
+    @njit(cache=True)
+    def _add_transposed_product(out, a, b):  # pragma: no cover - compiled
+        n, k = a.shape
+        m = b.shape[1]
+        one = out.dtype.type(1)
+        gemm(TRANS, NO_TRANS, k, m, n, one, a, 0, k, b, 0, m, one, out, 0, m)
+else:  # pragma: no cover - exercised only without numba
+    gemm = None

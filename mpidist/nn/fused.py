@@ -222,6 +222,14 @@ def attention_kernel_applies(*arrays: Any) -> bool:
             and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
 
 
+def _transposed_heads(qkv: np.ndarray, n_head: int, which: int) -> np.ndarray:
+    """Block ``which`` (0 q, 1 k, 2 v) of ``qkv`` (B, T, 3 H D) as (B, H, D, T), contiguous:
+    one NumPy copy for all heads, twice as fast as a transpose per head in the kernel."""
+    b, t, c3 = qkv.shape
+    blk = qkv.reshape(b, t, 3, n_head, c3 // (3 * n_head))[:, :, which]
+    return np.ascontiguousarray(blk.transpose(0, 2, 3, 1))
+
+
 def attention_forward(qkv: np.ndarray, n_head: int, scale: float,
                       keep_probabilities: bool) -> tuple[np.ndarray, np.ndarray]:
     """Causal attention of ``qkv`` (B, T, 3 H D) by :mod:`mpidist.nn.attention_cpu`: the
@@ -233,8 +241,8 @@ def attention_forward(qkv: np.ndarray, n_head: int, scale: float,
     p = np.empty((b, n_head, t, t) if keep_probabilities else (1, 1, t, t), dtype=dt)
     lse = np.empty((b, n_head, t), dtype=dt)
     y = np.empty((b, t, c3 // 3), dtype=dt)
-    _attn.attention_forward(qkv, n_head, dt.type(scale), p, keep_probabilities, lse, y,
-                            np.empty((c3 // (3 * n_head), t), dtype=dt), ATTENTION_ROWS)
+    _attn.attention_forward(qkv, _transposed_heads(qkv, n_head, 1), n_head, dt.type(scale), p,
+                            keep_probabilities, lse, y, ATTENTION_ROWS)
     return y, p if keep_probabilities else lse
 
 
@@ -243,15 +251,16 @@ def attention_backward(dy: np.ndarray, qkv: np.ndarray, kept: np.ndarray, n_head
     """Gradient (B, T, 3 H D) of :func:`attention_forward`'s ``qkv`` from that of its output
     ``dy``, given what the forward kept (P or the log-sum-exp). Only where
     :func:`attention_kernel_applies`."""
-    t, c3 = qkv.shape[1:]
+    t = qkv.shape[1]
     dt = qkv.dtype
     keep = kept.ndim == 4
     p = kept if keep else np.empty((1, 1, t, t), dtype=dt)
     lse = kept if not keep else np.empty((1, 1, t), dtype=dt)
+    vt = _transposed_heads(qkv, n_head, 2)
+    kt = vt if keep else _transposed_heads(qkv, n_head, 1)
     da = np.empty(qkv.shape, dtype=dt)
-    _attn.attention_backward(qkv, _c(dy), n_head, dt.type(scale), p, keep, lse,
-                             np.empty((t, t), dtype=dt), da,
-                             np.empty((c3 // (3 * n_head), t), dtype=dt), ATTENTION_ROWS)
+    _attn.attention_backward(qkv, kt, vt, _c(dy), n_head, dt.type(scale), p, keep, lse,
+                             np.empty((t, t), dtype=dt), da, ATTENTION_ROWS)
     return da
 
 

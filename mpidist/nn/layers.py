@@ -13,6 +13,7 @@ from collections.abc import Hashable, Iterable, Iterator
 import numpy as np
 
 from . import fused as F
+from .blas import add_transposed_product
 from .init import fan_in_bound, init_generator
 from .module import Module
 
@@ -129,7 +130,7 @@ class Linear(Module):
             )
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
-        self.grad("weight")[...] += x2.T @ dy2
+        add_transposed_product(self.grad("weight"), x2, dy2)
         if self.has_bias and bias_grad:
             self.grad("bias")[...] += dy2.sum(axis=0)
 

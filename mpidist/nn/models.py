@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import Block
+from .blas import add_transposed_product
 from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, matmul_rows, positive_int
 from .module import Module
 
@@ -158,7 +159,8 @@ class LMHead(Module):
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = self._take(ctx)
         w = self.param("weight")
-        self.grad("weight")[...] += dy.reshape(-1, self.vocab_size).T @ x.reshape(-1, self.n_embd)
+        add_transposed_product(self.grad("weight"), dy.reshape(-1, self.vocab_size),
+                               x.reshape(-1, self.n_embd))
         return matmul_rows(dy, w)
 
 
