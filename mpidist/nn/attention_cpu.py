@@ -3,18 +3,19 @@
 :func:`mpidist.nn.attention.causal_attention` as NumPy code runs every matrix product over all
 heads, then the softmax over all heads, so each (B, H, T, T) array goes out to memory and comes
 back between the steps. Here the loop runs over heads, and for each head over blocks of
-:data:`ROWS` query rows: the block's scores (one BLAS product through :func:`blas.gemm
-<mpidist.nn.blas.gemm>`), their softmax while they are still in cache, the block's output rows
-(a second product). Backward likewise: the block's ``dP``, the softmax backward in place, its
-``dQ``; then ``dK`` and ``dV`` of the head, column block by column block. Every product only
-covers the keys at or before the block's last query (the causal mask), 3/4 of the full
-products with T = 2 ROWS.
+``rows`` query rows (:data:`mpidist.nn.fused.ATTENTION_ROWS`): the block's scores (one BLAS
+product through :func:`blas.gemm <mpidist.nn.blas.gemm>`), their softmax while they are
+still in cache, the block's output rows (a second product). Backward likewise: the block's
+``dP``, the softmax backward in place, its ``dQ``; then ``dK`` and ``dV`` of the head, column
+block by column block. Every product only covers the keys at or before the block's last
+query (the causal mask): 5/8 of the full products with four blocks, 3/4 with two.
 
-The softmax loops run over the whole width of a block (every row of the block to the block's
-last key, a multiple of ROWS when T is), masking the entries above the diagonal with a
-select: loops of a fixed, vector-sized length vectorise completely, where loops that stop at
-the diagonal leave up to 63 entries a row to scalar code (in float32 the kernel with the
-masked loops took half the time of the one that stops at the diagonal).
+The softmax loops of a block's rows run to the block's last key, masking the entries above
+the diagonal with a select, rather than stopping at the diagonal: LLVM vectorises a loop 64
+float32 lanes at a time and leaves the rest to scalar code, so rows that stop at the
+diagonal ran mostly scalar (over (64, 128, 128) float32 scores, masked full rows took
+0.75 ms against 0.84 ms for rows stopping at the diagonal, with twice the arithmetic).
+Row maxima use :func:`fmax <mpidist.nn.fused_cpu.fmax>`, which vectorises.
 
 The probabilities P of every head are written (zero above the diagonal) where the caller
 keeps them for backward; otherwise the forward leaves only each row's log-sum-exp and the
