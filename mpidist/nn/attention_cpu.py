@@ -99,9 +99,11 @@ def _softmax_backward_rows(p, dp, lo, hi, scale):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
-def attention_forward(qkv, kt, n_head, scale, p, keep, lse, y, rows):  # pragma: no cover
+def attention_forward(qkv, kt, n_head, scale, p, keep, lse, y, rows,
+                      sub):  # pragma: no cover - compiled
     """Causal attention of ``qkv`` (B, T, 3 C; columns q | k | v, head-major) into ``y``
-    (B, T, C), in blocks of ``rows`` query rows; ``kt`` (B, H, D, T) holds the keys of
+    (B, T, C), the scores and softmax in blocks of ``rows`` query rows, the products with
+    P in blocks of ``sub`` rows (:func:`_sub_blocks`); ``kt`` (B, H, D, T) holds the keys of
     every head transposed (BLAS runs ``A @ B.T`` of these shapes at 2/3 of the speed of
     ``A @ B``). ``p`` is (B, H, T, T) and receives every head's probabilities when
     ``keep``; otherwise it is one (1, 1, T, T) scratch block. ``lse`` (B, H, T) receives
@@ -125,19 +127,21 @@ def attention_forward(qkv, kt, n_head, scale, p, keep, lse, y, rows):  # pragma:
                 gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt, kt0,
                      t, zero, p, p0 + lo * t, t)
                 _softmax_rows(ps, lo, hi, scale, lse[b, h])
-                gemm(NO_TRANS, NO_TRANS, hi - lo, d, hi, one, p, p0 + lo * t, t, qkv, v0, c3,
-                     zero, y, y0 + lo * c, c)
+                for a in range(lo, hi, sub):
+                    e = min(hi, a + sub)
+                    gemm(NO_TRANS, NO_TRANS, e - a, d, e, one, p, p0 + a * t, t, qkv, v0, c3,
+                         zero, y, y0 + a * c, c)
 
 
 @njit(**_OPTS)
-def attention_backward(qkv, kt, vt, dy, n_head, scale, p, keep, lse, dp, da,
-                       rows):  # pragma: no cover - compiled
+def attention_backward(qkv, kt, vt, dy, n_head, scale, p, keep, lse, dp, da, rows,
+                       sub):  # pragma: no cover - compiled
     """Gradient ``da`` (B, T, 3 C) of :func:`attention_forward`'s ``qkv`` from that of its
-    output ``dy`` (B, T, C). ``vt`` (B, H, D, T): the values transposed; ``kt``: the keys
-    transposed where ``keep`` is False (else unused). ``p``: the kept probabilities
-    (B, H, T, T) when ``keep``, else a (1, 1, T, T) scratch block that the head's P is
-    recomputed into from ``lse``; ``dp``: a (T, T) scratch block. All arrays C-contiguous,
-    of one dtype."""
+    output ``dy`` (B, T, C), in the blocks of the forward. ``vt`` (B, H, D, T): the values
+    transposed; ``kt``: the keys transposed where ``keep`` is False (else unused). ``p``:
+    the kept probabilities (B, H, T, T) when ``keep``, else a (1, 1, T, T) scratch block
+    that the head's P is recomputed into from ``lse``; ``dp``: a (T, T) scratch block. All
+    arrays C-contiguous, of one dtype."""
     bsz, t, c3 = qkv.shape
     c = c3 // 3
     d = c // n_head
@@ -165,12 +169,14 @@ def attention_backward(qkv, kt, vt, dy, n_head, scale, p, keep, lse, dp, da,
                 gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, dy, g0 + lo * c, c, vt, t0, t,
                      zero, dp, lo * t, t)
                 _softmax_backward_rows(ps, dp, lo, hi, scale)
-                gemm(NO_TRANS, NO_TRANS, hi - lo, d, hi, one, dp, lo * t, t, qkv, k0, c3, zero,
-                     da, q0 + lo * c3, c3)
-            for lo in range(0, t, rows):
-                hi = min(t, lo + rows)
-                # Keys lo:hi get gradient from queries lo: only: dK = dS^T Q, dV = P^T dY.
-                gemm(TRANS, NO_TRANS, hi - lo, d, t - lo, one, dp, lo * t + lo, t, qkv,
-                     q0 + lo * c3, c3, zero, da, k0 + lo * c3, c3)
-                gemm(TRANS, NO_TRANS, hi - lo, d, t - lo, one, p, p0 + lo * t + lo, t, dy,
-                     g0 + lo * c, c, zero, da, v0 + lo * c3, c3)
+                for a in range(lo, hi, sub):
+                    e = min(hi, a + sub)
+                    gemm(NO_TRANS, NO_TRANS, e - a, d, e, one, dp, a * t, t, qkv, k0, c3, zero,
+                         da, q0 + a * c3, c3)
+            for a in range(0, t, sub):
+                e = min(t, a + sub)
+                # Keys a:e get gradient from queries a: only: dK = dS^T Q, dV = P^T dY.
+                gemm(TRANS, NO_TRANS, e - a, d, t - a, one, dp, a * t + a, t, qkv,
+                     q0 + a * c3, c3, zero, da, k0 + a * c3, c3)
+                gemm(TRANS, NO_TRANS, e - a, d, t - a, one, p, p0 + a * t + a, t, dy,
+                     g0 + a * c, c, zero, da, v0 + a * c3, c3)

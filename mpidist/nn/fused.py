@@ -208,10 +208,12 @@ def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
 
 
 # -- causal attention (one kernel per direction) -------------------------------------------
-#: Query rows per block of the attention kernels: smaller blocks skip more of the masked
-#: products, but products of fewer rows run further from the BLAS's peak. In the GPT step of
-#: benchmarks/model_step.py (T = 128) 32 rows were 0.7% quicker than 64 and 48.
-ATTENTION_ROWS = 32
+#: Query rows per block of the attention kernels' scores and softmax, and per block of their
+#: products with the probabilities: smaller blocks skip more of the masked products, but
+#: products of fewer rows run further from the BLAS's peak, and softmax rows of a length
+#: that is no multiple of 64 float32 lanes leave the rest to scalar code.
+ATTENTION_ROWS = 64
+ATTENTION_PRODUCT_ROWS = 32
 
 
 def attention_kernel_applies(*arrays: Any) -> bool:
@@ -243,7 +245,8 @@ def attention_forward(qkv: np.ndarray, n_head: int, scale: float,
     lse = np.empty((b, n_head, t), dtype=dt)
     y = np.empty((b, t, c3 // 3), dtype=dt)
     _attn.attention_forward(qkv, _transposed_heads(qkv, n_head, 1), n_head, dt.type(scale), p,
-                            keep_probabilities, lse, y, ATTENTION_ROWS)
+                            keep_probabilities, lse, y, ATTENTION_ROWS,
+                            ATTENTION_PRODUCT_ROWS)
     return y, p if keep_probabilities else lse
 
 
@@ -261,7 +264,8 @@ def attention_backward(dy: np.ndarray, qkv: np.ndarray, kept: np.ndarray, n_head
     kt = vt if keep else _transposed_heads(qkv, n_head, 1)
     da = np.empty(qkv.shape, dtype=dt)
     _attn.attention_backward(qkv, kt, vt, _c(dy), n_head, dt.type(scale), p, keep, lse,
-                             np.empty((t, t), dtype=dt), da, ATTENTION_ROWS)
+                             np.empty((t, t), dtype=dt), da, ATTENTION_ROWS,
+                             ATTENTION_PRODUCT_ROWS)
     return da
 
 
