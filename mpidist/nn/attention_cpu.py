@@ -104,29 +104,41 @@ def _softmax_backward_rows(p, dp, lo, hi, scale):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
+def _sizes(qkv, n_head):  # pragma: no cover - compiled
+    """B, T, 3 C, C, D of ``qkv`` (B, T, 3 C) with ``n_head`` heads, and 1 and 0 in its
+    dtype."""
+    bsz, t, c3 = qkv.shape
+    return bsz, t, c3, c3 // 3, c3 // 3 // n_head, qkv.dtype.type(1), qkv.dtype.type(0)
+
+
+@njit(**_OPTS)
+def _head(b, h, t, c3, n_head, keep):  # pragma: no cover - compiled
+    """Element offsets of head ``h`` of sequence ``b``: its queries in ``qkv`` (keys and
+    values follow at +C and +2C), its rows of the (B, T, C) output or output gradient, its
+    (B, H, T, T) probabilities (index and offset; the one scratch block unless ``keep``)
+    and its (B, H, D, T) transposed keys or values."""
+    c = c3 // 3
+    d = c // n_head
+    ph = b * n_head + h if keep else 0
+    return (b * t * c3 + h * d, b * t * c + h * d, ph, ph * t * t,
+            (b * n_head + h) * d * t)
+
+
+@njit(**_OPTS)
 def attention_forward(qkv, kt, n_head, scale, p, keep, lse, y, rows,
                       sub):  # pragma: no cover - compiled
     """Causal attention of ``qkv`` (B, T, 3 C; columns q | k | v, head-major) into ``y``
     (B, T, C), the scores and softmax in blocks of ``rows`` query rows, the products with
-    P in blocks of ``sub`` rows (:func:`_sub_blocks`); ``kt`` (B, H, D, T) holds the keys of
-    every head transposed (BLAS runs ``A @ B.T`` of these shapes at 2/3 of the speed of
-    ``A @ B``). ``p`` is (B, H, T, T) and receives every head's probabilities when
+    P in blocks of ``sub`` rows; ``kt`` (B, H, D, T) holds the keys of every head
+    transposed. ``p`` is (B, H, T, T) and receives every head's probabilities when
     ``keep``; otherwise it is one (1, 1, T, T) scratch block. ``lse`` (B, H, T) receives
     each score row's log-sum-exp. All arrays C-contiguous, of one dtype."""
-    bsz, t, c3 = qkv.shape
-    c = c3 // 3
-    d = c // n_head
-    one = qkv.dtype.type(1)
-    zero = qkv.dtype.type(0)
+    bsz, t, c3, c, d, one, zero = _sizes(qkv, n_head)
     for b in range(bsz):
         for h in range(n_head):
-            q0 = b * t * c3 + h * d
+            q0, y0, ph, p0, kt0 = _head(b, h, t, c3, n_head, keep)
             v0 = q0 + 2 * c
-            y0 = b * t * c + h * d
-            ph = b * n_head + h if keep else 0
             ps = p[ph // n_head, ph % n_head]
-            p0 = ph * t * t
-            kt0 = (b * n_head + h) * d * t
             for lo in range(0, t, rows):
                 hi = min(t, lo + rows)
                 gemm(NO_TRANS, NO_TRANS, hi - lo, hi, d, one, qkv, q0 + lo * c3, c3, kt, kt0,
@@ -147,21 +159,13 @@ def attention_backward(qkv, kt, vt, dy, n_head, scale, p, keep, lse, dp, da, row
     the kept probabilities (B, H, T, T) when ``keep``, else a (1, 1, T, T) scratch block
     that the head's P is recomputed into from ``lse``; ``dp``: a (T, T) scratch block. All
     arrays C-contiguous, of one dtype."""
-    bsz, t, c3 = qkv.shape
-    c = c3 // 3
-    d = c // n_head
-    one = qkv.dtype.type(1)
-    zero = qkv.dtype.type(0)
+    bsz, t, c3, c, d, one, zero = _sizes(qkv, n_head)
     for b in range(bsz):
         for h in range(n_head):
-            q0 = b * t * c3 + h * d
+            q0, g0, ph, p0, t0 = _head(b, h, t, c3, n_head, keep)
             k0 = q0 + c
             v0 = q0 + 2 * c
-            g0 = b * t * c + h * d
-            ph = b * n_head + h if keep else 0
             ps = p[ph // n_head, ph % n_head]
-            p0 = ph * t * t
-            t0 = (b * n_head + h) * d * t
             if not keep:
                 for lo in range(0, t, rows):
                     hi = min(t, lo + rows)
