@@ -27,6 +27,8 @@ import numpy as np
 
 from mpidist.kernels import is_device_array
 
+from . import blas as _blas
+
 __all__ = [
     "GELU_A",
     "GELU_C",
@@ -71,14 +73,10 @@ except ImportError:  # pragma: no cover - exercised only without numba
     _cpu = None  # type: ignore[assignment]
 
 HAVE_NUMBA = _cpu is not None
-try:  # the attention kernels also need a BLAS they can call (see mpidist.nn.blas)
-    from . import blas as _blas
-
-    if _blas.AVAILABLE:
-        from . import attention_cpu as _attn
-    else:
-        _attn = None  # type: ignore[assignment]
-except ImportError:  # pragma: no cover - exercised only without numba
+# The attention kernels also need a BLAS they can call (AVAILABLE is False without Numba).
+if _blas.AVAILABLE:
+    from . import attention_cpu as _attn
+else:  # pragma: no cover - exercised only without a callable BLAS
     _attn = None  # type: ignore[assignment]
 _choice = _initial_choice()
 

@@ -117,7 +117,8 @@ def _exp_fast_impl(x):  # pragma: no cover - compiled
 def fmax(typingctx, a, b):  # pragma: no cover - compiled
     """``max(a, b)`` of two floats of one type as LLVM's ``maxnum``: a running maximum over
     a loop then vectorises (Python's ``max`` compiles to a compare and branch that LLVM
-    leaves scalar: 12x slower over a float32 row here). A NaN operand yields the other."""
+    leaves scalar: 12x slower over a float32 row here; the cross-entropy's rows of 256
+    logits 0.39 -> 0.32 ms for 2048 rows). A NaN operand yields the other."""
     if not (isinstance(a, types.Float) and a == b):
         return None
 
@@ -184,8 +185,10 @@ def causal_softmax(s, scale, lse):  # pragma: no cover - compiled
         for i in range(t):
             row = s[r, i]
             m = row[0]
+            # Python's max here: with rows that stop at the diagonal, fmax (which vectorises)
+            # measured 10% slower over (64, 128, 128) scores, the vector loop rarely entered.
             for j in range(1, i + 1):
-                m = fmax(m, row[j])
+                m = max(m, row[j])
             ms = m * scale
             acc = zero
             for j in range(i + 1):

@@ -43,6 +43,7 @@ import numpy as np
 from mpidist import collectives as C
 
 from .attention import causal_attention, causal_attention_backward, residual_scale
+from .blas import add_transposed_product
 from .init import init_value
 from .layers import (
     GELU,
@@ -326,7 +327,7 @@ class ColumnParallelLinear(TensorParallelModule):
         w = self.param("weight")
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.local_out)
-        self.grad("weight")[...] += x2.T @ dy2
+        add_transposed_product(self.grad("weight"), x2, dy2)
         if self.has_bias:
             self.grad("bias")[...] += dy2.sum(axis=0)
         return self.copy_in.backward(matmul_rows(dy, w.T), ctx)
@@ -375,7 +376,7 @@ class RowParallelLinear(TensorParallelModule):
         dy2 = dy.reshape(-1, self.out_features)
         if self.has_bias:
             self.grad("bias")[...] += dy2.sum(axis=0)
-        self.grad("weight")[...] += x.reshape(-1, self.local_in).T @ dy2
+        add_transposed_product(self.grad("weight"), x.reshape(-1, self.local_in), dy2)
         dx = matmul_rows(dy, w.T)
         return dx if self.scatter is None else self.scatter.backward(dx, ctx)
 
