@@ -35,6 +35,8 @@ from mpidist import topology as _topo
 __all__ = [
     "CollectiveMismatchError",
     "Request",
+    "check_signature",
+    "debug_enabled",
     "allgather",
     "allgather_inplace",
     "allreduce",
@@ -71,6 +73,20 @@ def set_debug(enabled: bool) -> bool:
     global _debug
     previous, _debug = _debug, bool(enabled)
     return previous
+
+
+def debug_enabled() -> bool:
+    """Whether the cross-rank collective check is on (``MPIDIST_DEBUG=1`` or
+    :func:`set_debug`). Not collective."""
+    return _debug
+
+
+def check_signature(comm: Any, signature: str) -> None:
+    """Collective over ``comm``: raise :class:`CollectiveMismatchError` on every rank when
+    the ranks' ``signature`` strings (operation, dtype, shape, ...) differ, naming the ranks
+    of each variant. The first 160 bytes of a signature are compared."""
+    if _size(comm) > 1:
+        _debug_check(comm, signature)
 
 
 def _size(comm: Any) -> int:

@@ -1,22 +1,32 @@
-"""The parts of ``torch.distributed`` a training script calls, answered by MPI.
+"""``torch.distributed`` with MPI underneath: a thin layer over torch's own module.
 
-``import mpidist.torch.distributed as dist`` in place of ``import torch.distributed as
-dist`` keeps a script's ``dist.init_process_group(...)``, ``dist.get_rank()``,
-``dist.get_world_size()``, ``dist.barrier()``, ``dist.all_reduce(t)``,
-``dist.broadcast(t, src)`` and ``dist.destroy_process_group()`` working under ``mpiexec`` or
-``srun`` with no rendezvous variables: MPI already knows the ranks. The group is
-``MPI.COMM_WORLD`` unless ``init_process_group(comm=...)`` names another.
+``import mpidist.torch.distributed as dist`` in place of ``import torch.distributed as dist``
+keeps a script working under ``mpiexec`` or ``srun`` with no rendezvous variables. Every name
+of ``torch.distributed`` is available here and is torch's own (``dist.all_gather``,
+``dist.new_group``, ``dist.ReduceOp``, ...); what this module adds or changes:
+
+- :func:`init_process_group` starts torch's default group on the "mpidist" backend (any other
+  backend name given is replaced by it: this module has always run on MPI), over
+  ``MPI.COMM_WORLD`` or the mpi4py communicator given as ``comm=``;
+- :func:`get_comm` returns that communicator;
+- ``group=`` may also be an mpi4py communicator in :func:`get_rank`, :func:`get_world_size`,
+  :func:`barrier`, :func:`all_reduce` and :func:`broadcast` (the default group's communicator
+  means the default group; another one runs the operation on it directly with MPI);
+- ``op=`` also takes the names "sum", "avg", "max", "min".
 """
 
 from __future__ import annotations
 
-import enum
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as _dist
 import torch.utils.data
 
 from mpidist import collectives as C
+from mpidist.torch import backend as _backend
+from mpidist.torch import rendezvous as _rendezvous
 from mpidist.torch._common import host_view, resolve_comm
 
 __all__ = [
@@ -34,16 +44,15 @@ __all__ = [
     "is_initialized",
 ]
 
-_GROUP: list[Any] = []
+ReduceOp = _dist.ReduceOp
+DistributedSampler = torch.utils.data.distributed.DistributedSampler
+_COMM: list[Any] = []
+_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
 
 
-class ReduceOp(enum.Enum):
-    """Reduction operations of :func:`all_reduce` (torch's names)."""
-
-    SUM = "sum"
-    AVG = "avg"
-    MAX = "max"
-    MIN = "min"
+def __getattr__(name: str) -> Any:
+    """Every other name is torch.distributed's own."""
+    return getattr(_dist, name)
 
 
 def is_available() -> bool:
@@ -51,75 +60,128 @@ def is_available() -> bool:
     return True
 
 
-def init_process_group(backend: str | None = None, *, comm: Any = None, **kwargs: Any) -> None:
-    """Make ``comm`` (default every rank) the default group. ``backend``, ``init_method``,
-    ``rank``, ``world_size`` and ``timeout`` are accepted and checked against MPI (a rank or
-    world size that differs from MPI's raises). Not collective."""
-    del backend
+def is_initialized() -> bool:
+    """Whether torch's default process group exists. Not collective."""
+    return _dist.is_initialized()
+
+
+def init_process_group(backend: str | None = None, *, comm: Any = None,
+                       timeout: timedelta | None = None, **kwargs: Any) -> None:
+    """Start torch's default process group on the "mpidist" backend over ``comm`` (default
+    every rank). ``rank`` and ``world_size`` may be given and must agree with MPI (else
+    ValueError, before anything is communicated); ``init_method`` is ignored (MPI is the
+    rendezvous). A backend string naming "mpidist" for some devices (``"cpu:mpidist,
+    cuda:nccl"``) is used as given; any other name is replaced by "mpidist". Collective over
+    ``comm``."""
     comm = resolve_comm(comm)
     for key, mine in (("rank", comm.Get_rank()), ("world_size", comm.Get_size())):
-        given = kwargs.get(key)
+        given = kwargs.pop(key, None)
         if given is not None and given != -1 and int(given) != mine:
             raise ValueError(f"{key}={given} but MPI says {mine} for this process")
-    _GROUP[:] = [comm]
-
-
-def is_initialized() -> bool:
-    """Whether :func:`init_process_group` was called. Not collective."""
-    return bool(_GROUP)
+    kwargs.pop("init_method", None)
+    kwargs.pop("store", None)
+    name = backend if backend and _backend.BACKEND in str(backend) else _backend.BACKEND
+    timeout = timeout or _dist.default_pg_timeout
+    _rendezvous.check_world(comm)
+    store = _rendezvous.mpi_store(comm, timeout)
+    _backend.world_comm(comm)
+    try:
+        _dist.init_process_group(name, store=store, rank=comm.Get_rank(),
+                                 world_size=comm.Get_size(), timeout=timeout, **kwargs)
+    finally:
+        _backend.world_comm(None)
+    _COMM[:] = [comm]
 
 
 def get_comm() -> Any:
-    """The default group's communicator (every rank before ``init_process_group``)."""
-    return _GROUP[0] if _GROUP else resolve_comm(None)
+    """The communicator of the default group (every rank before :func:`init_process_group`).
+    Not collective."""
+    return _COMM[0] if _COMM and _dist.is_initialized() else resolve_comm(None)
+
+
+def _mpi_comm(group: Any) -> Any | None:
+    """``group`` when it is an mpi4py communicator other than the default group's."""
+    if group is None or isinstance(group, _dist.ProcessGroup):
+        return None
+    comm = resolve_comm(group)
+    if _COMM and _dist.is_initialized() and comm == _COMM[0]:
+        return None
+    return comm
 
 
 def get_rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (an mpi4py communicator) or the default group."""
-    return (group or get_comm()).Get_rank()
+    """This process's rank in ``group`` (a torch group or an mpi4py communicator) or the
+    default group. Not collective."""
+    comm = _mpi_comm(group)
+    if comm is not None:
+        return comm.Get_rank()
+    if not _dist.is_initialized():
+        return get_comm().Get_rank()
+    return _dist.get_rank(group)
 
 
 def get_world_size(group: Any = None) -> int:
     """The size of ``group`` or of the default group. Not collective."""
-    return (group or get_comm()).Get_size()
+    comm = _mpi_comm(group)
+    if comm is not None:
+        return comm.Get_size()
+    if not _dist.is_initialized():
+        return get_comm().Get_size()
+    return _dist.get_world_size(group)
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, **kwargs: Any) -> Any:
     """Wait for every rank of the group. Collective."""
-    (group or get_comm()).Barrier()
+    comm = _mpi_comm(group)
+    if comm is not None:
+        comm.Barrier()
+        return None
+    return _dist.barrier(group, **kwargs)
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = None,
-               async_op: bool = False) -> None:
-    """Reduce ``tensor`` in place over the group (float32/float64/int32/int64). Collective.
-    ``async_op`` is accepted; the call completes before it returns."""
-    del async_op
+def _op(op: Any) -> Any:
+    if isinstance(op, str):
+        if op.lower() not in _OPS:
+            raise ValueError(f"op={op!r} is not one of {sorted(_OPS)}")
+        return _OPS[op.lower()]
+    return op
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False) -> Any:
+    """Reduce ``tensor`` in place over the group (torch's ``all_reduce``; returns a Work
+    when ``async_op``). Collective."""
+    op = _op(op)
+    comm = _mpi_comm(group)
+    if comm is None:
+        return _dist.all_reduce(tensor, op, group, async_op)
+    names = {v: k for k, v in _OPS.items()}
+    if op not in names:
+        raise ValueError(f"op={op} on an mpi4py communicator must be one of {sorted(_OPS)}")
     view = host_view(tensor)
-    C.allreduce(view.to_host(), ReduceOp(op).value, comm=group or get_comm())
+    C.allreduce(view.to_host(), names[op], comm=comm)
     view.to_device()
+    return None
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
-              async_op: bool = False) -> None:
-    """Overwrite ``tensor`` with rank ``src``'s values. Collective."""
-    del async_op
+              async_op: bool = False) -> Any:
+    """Overwrite ``tensor`` with rank ``src``'s values (torch's ``broadcast``). Collective."""
+    comm = _mpi_comm(group)
+    if comm is None:
+        return _dist.broadcast(tensor, src, group, async_op)
     view = host_view(tensor)
-    C.broadcast(view.to_host(), src, comm=group or get_comm())
+    C.broadcast(view.to_host(), src, comm=comm)
     view.to_device()
+    return None
 
 
 def destroy_process_group(group: Any = None) -> None:
-    """Forget the default group (MPI itself is finalised at exit). Not collective."""
-    del group
-    _GROUP.clear()
-
-
-class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
-    """torch's ``DistributedSampler`` with ``num_replicas`` and ``rank`` taken from the
-    default group when not given."""
-
-    def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(dataset,
-                         num_replicas=get_world_size() if num_replicas is None else num_replicas,
-                         rank=get_rank() if rank is None else rank, **kwargs)
+    """Destroy ``group``, or every group when None (torch's). Collective only in that every
+    rank should call it; MPI itself is finalised at exit."""
+    if _mpi_comm(group) is not None:
+        return
+    if _dist.is_initialized():
+        _dist.destroy_process_group(group)
+    if group is None:
+        _COMM.clear()

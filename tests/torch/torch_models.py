@@ -113,17 +113,26 @@ def assert_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float
         assert err <= rtol * scale, f"{what} {k}: max error {err:.3e}"
 
 
-_GLOO: list[bool] = []
-
-
 def gloo(comm) -> None:
-    """torch.distributed on the gloo backend over the MPI ranks (once per process)."""
+    """torch.distributed's default group on the gloo backend over the MPI ranks."""
+    use_backend("gloo", comm)
+
+
+def use_backend(name: str, comm) -> None:
+    """Make torch.distributed's default group one of backend ``name`` ("gloo" or "mpidist")
+    over the MPI ranks, destroying a default group of another backend first. Collective."""
     import torch.distributed as dist
 
-    if _GLOO:
+    if dist.is_initialized():
+        if dist.get_backend() == name:
+            return
+        dist.destroy_process_group()
+    if name == "mpidist":
+        import mpidist.torch  # noqa: F401 - registers the backend
+
+        dist.init_process_group("mpidist")
         return
     path = tempfile.mkdtemp(prefix="mpidist-gloo-") if comm.Get_rank() == 0 else None
     path = comm.bcast(path, root=0)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(path, 'rendezvous')}",
+    dist.init_process_group(name, init_method=f"file://{os.path.join(path, 'rendezvous')}",
                             rank=comm.Get_rank(), world_size=comm.Get_size())
-    _GLOO.append(True)

@@ -1,0 +1,131 @@
+"""The "mpidist" torch.distributed backend: torch's own parallel stack over MPI.
+
+``import mpidist.torch`` registers it (devices cpu and cuda). Then, under ``mpiexec``,
+``mpirun`` or ``srun --mpi=pmix``::
+
+    import mpidist.torch
+    import torch.distributed as dist
+    dist.init_process_group("mpidist")      # rank and size from MPI; no MASTER_ADDR, RANK...
+
+and torch's DDP, FSDP2 (``fully_shard``), DTensor tensor parallelism on a DeviceMesh,
+``torch.distributed.pipelining`` and ``torch.distributed.checkpoint`` run their
+communication as MPI calls. The rendezvous is :mod:`mpidist.torch.rendezvous`; the tensor
+side (element types, reductions, Work, watchdog) is :mod:`mpidist.torch.ops`.
+
+Groups. The default group runs on a duplicate of ``MPI.COMM_WORLD`` (or of the communicator
+given to :func:`mpidist.torch.distributed.init_process_group`); every group made by
+``new_group``, ``new_subgroups`` or a DeviceMesh runs on a communicator of exactly its
+members, built by them alone (``MPI_Comm_create_group``), and freed when torch destroys the
+group. Each group also holds a second communicator for calls made from threads other than the
+one that created it (``torch.distributed.checkpoint.async_save`` saves from a thread while
+training goes on), so the two streams of collectives never interleave; at most one such
+thread at a time may use a group.
+
+Completion. Collectives complete before the call returns: ``async_op=True`` gives a Work that
+is already complete. Point-to-point operations are nonblocking (``MPI_Isend``/``MPI_Irecv``);
+their Work completes in ``wait()``. The group's ``timeout`` is the longest an operation may
+take before the job is ended (see :mod:`mpidist.torch.ops`).
+
+Mixed backends. In ``"cpu:mpidist,cuda:nccl"`` (or any mix) the tensors of a device that
+another backend serves are handed to that backend, which is created on first use.
+
+Errors. An unsupported operation, ReduceOp or dtype is a ValueError naming it, raised before
+anything is communicated; with ``MPIDIST_DEBUG=1`` every collective first checks that all
+ranks of the group call the same operation with the same dtypes and shapes; an exception
+that ends one rank's script ends the whole job (``MPI_Abort``) instead of leaving the others
+waiting.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpidist.comms import mpi
+from mpidist.torch import ops, rendezvous
+from mpidist.torch._common import agree
+from mpidist.torch.process_group import BACKEND, ProcessGroupMPI, live_communicators
+
+__all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators", "register", "world_comm"]
+_WORLD: list[Any] = []  # the communicator the next default group is built on, if not WORLD
+
+
+def world_comm(comm: Any = None) -> Any:
+    """Set (with ``comm``) or read the communicator the next default "mpidist" group is
+    built on; MPI.COMM_WORLD unless set. Not collective."""
+    if comm is not None:
+        _WORLD[:] = [comm]
+    return _WORLD[0] if _WORLD else mpi().COMM_WORLD
+
+
+def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
+    """torch's creator for "mpidist" groups (collective over the new group's members)."""
+    ranks = list(options.global_ranks_in_group)
+    rank, size, timeout = options.group_rank, options.group_size, options.timeout
+    if not ranks:
+        base = world_comm()
+        rendezvous.check_world(base, size)
+        error = None if base.Get_rank() == rank else (
+            f"torch gave this process rank {rank} but MPI rank {base.Get_rank()}")
+        agree(base, "init_process_group('mpidist')", error)
+        with ops.watch("creating the default group", timeout):
+            comm = base.Dup()
+        _abort_on_uncaught_exceptions(base)
+    else:
+        default = dist.distributed_c10d._get_default_group()
+        base = default.base if isinstance(default, ProcessGroupMPI) else mpi().COMM_WORLD
+        me, world = dist.get_rank(), dist.get_world_size()
+        if (me, world) != (base.Get_rank(), base.Get_size()):
+            raise ValueError(f"new_group(backend='mpidist'): torch's world is rank {me} of "
+                             f"{world} but MPI's is rank {base.Get_rank()} of "
+                             f"{base.Get_size()}; start the world with ranks from MPI")
+        members = base.Get_group().Incl(ranks)
+        try:
+            with ops.watch(f"creating a group of ranks {ranks[:8]}", timeout):
+                comm = base.Create_group(members)
+        finally:
+            members.Free()
+    with ops.watch("creating a group", timeout):
+        side = comm.Dup()
+    store = getattr(options.store, "underlying_store", options.store)
+    group = ProcessGroupMPI(comm, side, base, timeout, store)
+    # DCP's async_save and object collectives look for a CPU device among the group's.
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, None)
+    return group
+
+
+def _abort_on_uncaught_exceptions(comm: Any) -> None:
+    """An exception that ends this rank's script ends every rank (MPI_Abort), once."""
+    if comm.Get_size() == 1 or getattr(sys.excepthook, "_mpidist", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        import traceback
+
+        stream = sys.__stderr__ or sys.stderr
+        rank = mpi().COMM_WORLD.Get_rank()
+        text = "".join(traceback.format_exception(kind, value, tb)).rstrip("\n")
+        stream.write("".join(f"[rank {rank}] {line}\n" for line in text.split("\n")))
+        stream.write(f"[rank {rank}] aborting the MPI job\n")
+        stream.flush()
+        if kind is KeyboardInterrupt or mpi().Is_finalized():
+            previous(kind, value, tb)
+            return
+        mpi().COMM_WORLD.Abort(1)
+
+    hook._mpidist = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def register() -> None:
+    """Register the "mpidist" backend with torch.distributed and wrap the env://
+    rendezvous (idempotent; ``import mpidist.torch`` calls it). Not collective."""
+    rendezvous.install()
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])

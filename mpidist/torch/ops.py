@@ -1,0 +1,411 @@
+"""The tensor side of the "mpidist" torch.distributed backend: MPI buffers of torch tensors,
+element types, reductions, Work objects and the watchdog.
+
+Element types. Data movement (gathers, scatters, broadcasts, all-to-all, point to point)
+carries any dtype bit for bit, as unsigned words of the element's size. Reductions run in MPI
+on float32/float64, the signed and unsigned integers, bool and complex; float16, bfloat16 and
+the float8 types are reduced in float32 (converted once before, rounded once after), so a
+bfloat16 gradient is summed with float32 accumulation.
+
+Reductions. ``SUM``, ``PRODUCT``, ``MIN``, ``MAX`` and the bitwise ops are MPI's own; ``AVG``
+is a sum divided once by the group size (integers: truncated); ``PREMUL_SUM`` multiplies each
+rank's input by its factor before the sum. On bool tensors ``SUM``/``MAX``/``BOR`` are a
+logical or, ``PRODUCT``/``MIN``/``BAND`` a logical and, ``BXOR`` a logical xor.
+
+Watchdog. Each operation is registered with a deadline (its group's timeout) while it runs;
+a daemon thread checks the deadlines every second and, when one has passed, prints the
+operation, its group and how long it has waited, then ends the whole job with
+``MPI_Abort`` (an MPI call cannot be interrupted, and a job whose ranks disagree on the order
+of collectives never recovers). ``Work.wait(timeout)`` with an explicit timeout raises
+instead, for the operation it waits on.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpidist.comms import mpi
+
+__all__ = [
+    "Reduction",
+    "Work",
+    "as_host",
+    "mpi_type",
+    "reduction",
+    "spec",
+    "watch",
+    "words",
+]
+
+RedOpType = dist.ReduceOp.RedOpType
+
+# torch dtype -> name of the MPI datatype that reduces it.
+_REDUCE_TYPES = {
+    torch.float32: "FLOAT", torch.float64: "DOUBLE",
+    torch.int8: "INT8_T", torch.int16: "INT16_T", torch.int32: "INT32_T", torch.int64: "INT64_T",
+    torch.uint8: "UINT8_T", torch.bool: "C_BOOL",
+    torch.complex64: "C_FLOAT_COMPLEX", torch.complex128: "C_DOUBLE_COMPLEX",
+}
+for _name, _mpi_name in (("uint16", "UINT16_T"), ("uint32", "UINT32_T"), ("uint64", "UINT64_T")):
+    if hasattr(torch, _name):
+        _REDUCE_TYPES[getattr(torch, _name)] = _mpi_name
+# Floating types MPI has no datatype for: reduced in float32.
+_UPCAST = {torch.float16, torch.bfloat16} | {
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)}
+_WORDS = {1: "UINT8_T", 2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}
+
+_MPI_OPS = {
+    RedOpType.SUM: "SUM", RedOpType.AVG: "SUM", RedOpType.PREMUL_SUM: "SUM",
+    RedOpType.PRODUCT: "PROD", RedOpType.MIN: "MIN", RedOpType.MAX: "MAX",
+    RedOpType.BAND: "BAND", RedOpType.BOR: "BOR", RedOpType.BXOR: "BXOR",
+}
+_BOOL_OPS = {
+    RedOpType.SUM: "LOR", RedOpType.MAX: "LOR", RedOpType.BOR: "LOR",
+    RedOpType.PRODUCT: "LAND", RedOpType.MIN: "LAND", RedOpType.BAND: "LAND",
+    RedOpType.BXOR: "LXOR",
+}
+_BITWISE = {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
+_ORDERED = {RedOpType.MIN, RedOpType.MAX}
+
+
+def mpi_type(dtype: torch.dtype) -> Any:
+    """The MPI datatype that reduces ``dtype`` (None for dtypes MPI cannot reduce)."""
+    name = _REDUCE_TYPES.get(dtype)
+    return None if name is None else getattr(mpi(), name)
+
+
+def words(dtype: torch.dtype) -> tuple[Any, int]:
+    """(MPI datatype, words per element) that carry ``dtype`` bit for bit."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size in _WORDS:
+        return getattr(mpi(), _WORDS[size]), 1
+    if size % 8 == 0:
+        return mpi().UINT64_T, size // 8
+    return mpi().UINT8_T, size
+
+
+# -- tensors as MPI buffers -----------------------------------------------------------------
+def as_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values: ``t`` itself when it already is one.
+
+    A CUDA tensor is copied after its stream (torch's copy waits for the current stream),
+    so MPI never reads device memory that a kernel is still writing."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.detach().to("cpu", copy=False).contiguous()
+
+
+def scratch(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer for ``t``: ``t`` itself when MPI can write it directly, else a
+    contiguous CPU tensor whose result :func:`write_back` copies into ``t``."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a result from its buffer into the user's tensor (nothing when they are one)."""
+    if src is not dst:
+        with torch.no_grad():
+            dst.copy_(src.reshape(dst.shape))
+
+
+def _memory(t: torch.Tensor) -> Any:
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return bytearray(0)
+    MPI = mpi()
+    return (getattr(MPI, "buffer", None) or MPI.memory).fromaddress(t.data_ptr(), nbytes)
+
+
+def spec(t: torch.Tensor, datatype: Any = None, parts: int = 1) -> list[Any]:
+    """``[buffer, count, datatype]`` of a contiguous CPU tensor: its elements in
+    ``datatype`` (for reductions), else in the words that carry its dtype. ``parts``: the
+    count is per part (the receive buffer of an allgather holds one part per rank)."""
+    if datatype is not None:
+        return [_memory(t), t.numel() // parts, datatype]
+    word, per = words(t.dtype)
+    return [_memory(t), t.numel() * per // parts, word]
+
+
+def counts_spec(t: torch.Tensor, counts: Sequence[int]) -> list[Any]:
+    """``[buffer, (counts, displacements), datatype]`` for a vector collective over a
+    contiguous CPU tensor split into pieces of ``counts`` elements."""
+    word, per = words(t.dtype)
+    sizes = [c * per for c in counts]
+    displs = [0] * len(sizes)
+    for i in range(1, len(sizes)):
+        displs[i] = displs[i - 1] + sizes[i - 1]
+    return [_memory(t), (sizes, displs), word]
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two CPU tensors overlaps."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+# -- reductions -----------------------------------------------------------------------------
+class Reduction:
+    """How one ``ReduceOp`` on one dtype runs: the MPI op, the dtype on the wire, the
+    premultiplying factor and whether the sum is averaged."""
+
+    def __init__(self, op: Any, dtype: torch.dtype, what: str) -> None:
+        kind = getattr(op, "op", op)
+        name = getattr(kind, "name", str(kind))
+        if kind not in _MPI_OPS:
+            raise ValueError(f"{what}: ReduceOp {name} is not supported by the mpidist backend")
+        floating = dtype.is_floating_point or dtype.is_complex
+        if dtype == torch.bool:
+            if kind not in _BOOL_OPS:
+                raise ValueError(f"{what}: ReduceOp.{name} is not defined on bool tensors")
+            self.op_name = _BOOL_OPS[kind]
+        else:
+            if kind in _BITWISE and floating:
+                raise ValueError(f"{what}: ReduceOp.{name} needs an integer or bool tensor; "
+                                 f"got {dtype}")
+            if kind in _ORDERED and dtype.is_complex:
+                raise ValueError(f"{what}: ReduceOp.{name} is not defined on {dtype}")
+            self.op_name = _MPI_OPS[kind]
+        self.wire = torch.float32 if dtype in _UPCAST else dtype
+        self.datatype = mpi_type(self.wire)
+        if self.datatype is None:
+            raise ValueError(f"{what}: the mpidist backend cannot reduce {dtype} tensors")
+        self.avg = kind == RedOpType.AVG
+        self.factor: Any = op.factor if kind == RedOpType.PREMUL_SUM else None
+        self.name = name
+
+    @property
+    def mpi_op(self) -> Any:
+        return getattr(mpi(), self.op_name)
+
+    def prepare(self, t: torch.Tensor) -> torch.Tensor:
+        """The contiguous CPU tensor MPI reduces for ``t``: ``t`` itself when possible."""
+        if self.factor is not None:
+            factor = self.factor
+            if isinstance(factor, torch.Tensor):
+                factor = factor.detach().to("cpu", self.wire).reshape(())
+            return t.detach().to("cpu", self.wire) * factor
+        if t.dtype != self.wire:
+            return t.detach().to("cpu", self.wire)
+        return as_host(t)
+
+    def finish(self, wire: torch.Tensor, size: int, out: torch.Tensor | None = None) -> None:
+        """Average ``wire`` (a reduced buffer) if asked, then copy it into ``out``."""
+        if self.avg and size > 1:
+            if wire.dtype.is_floating_point or wire.dtype.is_complex:
+                wire.div_(size)
+            else:
+                wire.div_(size, rounding_mode="trunc")
+        if out is not None:
+            write_back(out, wire)
+
+
+def reduction(op: Any, dtype: torch.dtype, what: str) -> Reduction:
+    """:class:`Reduction` of ``op`` on ``dtype``; ValueError naming both if unsupported."""
+    return Reduction(op, dtype, what)
+
+
+# -- watchdog -------------------------------------------------------------------------------
+class _Watchdog:
+    """Deadlines of the operations in flight, checked by one daemon thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[int, tuple[float, float, str]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, deadline: float, what: str) -> int:
+        with self._lock:
+            self._next += 1
+            token = self._next
+            self._active[token] = (time.monotonic(), deadline, what)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpidist-watchdog",
+                                                daemon=True)
+                self._thread.start()
+        return token
+
+    def stop(self, token: int) -> None:
+        with self._lock:
+            self._active.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                late = [(s, w) for s, d, w in self._active.values() if now > d]
+            if late:
+                started, what = late[0]
+                _abort(f"{what} has not completed after {now - started:.0f} s, past its "
+                       "group's timeout; ending the job (MPI_Abort)")
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _abort(message: str) -> None:
+    world = mpi().COMM_WORLD
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"[rank {world.Get_rank()}] mpidist backend: {message}\n")
+    stream.flush()
+    world.Abort(1)
+
+
+@contextmanager
+def watch(what: str, timeout: timedelta) -> Iterator[None]:
+    """Register an operation with the watchdog for its duration (see the module docstring)."""
+    token = _WATCHDOG.start(time.monotonic() + max(timeout.total_seconds(), 0.001), what)
+    try:
+        yield
+    finally:
+        _WATCHDOG.stop(token)
+
+
+# -- works ----------------------------------------------------------------------------------
+class Work(dist.Work):
+    """The handle of one backend operation, as torch's ``Work``.
+
+    Collectives complete before the call returns (their Work is already done); point-to-point
+    operations hold MPI requests that :meth:`wait` completes. ``finish`` (copying a staged
+    result into the user's tensor) runs once, when the requests are done. The tensors MPI
+    reads or writes are kept alive until then.
+    """
+
+    def __init__(self, result: list[torch.Tensor], requests: Sequence[Any] = (),
+                 finish: Callable[[], None] | None = None, keep: tuple = (),
+                 what: str = "", timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__()
+        self._result = result
+        self._requests = list(requests)
+        self._finish = finish
+        self._keep = keep
+        self._what = what
+        self._timeout = timeout
+        self._status: Any = None
+        self._source = -1
+        self._done = not self._requests
+        self._future: torch.futures.Future | None = None
+        if self._done:
+            self._complete()
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        self._keep = ()
+        if self._status is not None:
+            self._source = self._status.Get_source()
+        if self._future is not None and not self._future.done():
+            self._future.set_result(self._result)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Complete the operation. With a positive ``timeout``: RuntimeError when it has not
+        completed by then (the operation stays pending)."""
+        if self._done:
+            return True
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            while not self._test():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self._what} timed out after {seconds:g} s in wait()")
+            return True
+        with watch(self._what, self._timeout):
+            if len(self._requests) == 1:
+                self._status = mpi().Status()
+                self._requests[0].Wait(self._status)
+            else:
+                mpi().Request.Waitall(self._requests)
+        self._complete()
+        return True
+
+    def _test(self) -> bool:
+        if len(self._requests) == 1:
+            status = mpi().Status()
+            if not self._requests[0].Test(status):
+                return False
+            self._status = status
+        elif not mpi().Request.Testall(self._requests):
+            return False
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation has completed (drives MPI progress). Not collective."""
+        return self._done or self._test()
+
+    def is_success(self) -> bool:
+        """Whether the operation completed without error."""
+        return self.is_completed()
+
+    def exception(self) -> Any:
+        """None: a failed MPI operation ends the job instead."""
+        return None
+
+    def synchronize(self) -> None:
+        """Same as :meth:`wait`."""
+        self.wait()
+
+    def result(self) -> list[torch.Tensor]:
+        """The operation's output tensors (after :meth:`wait`)."""
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the output tensors. A pending operation is completed
+        first, so waiting on the future (also from C++) never blocks forever."""
+        if self._future is None:
+            self._future = torch.futures.Future()
+        if not self._done:
+            self.wait()
+        if not self._future.done():
+            self._future.set_result(self._result)
+        return self._future
+
+    def source_rank(self) -> int:
+        """The rank (in the group) a receive from any source got its message from."""
+        self.wait()
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+
+def done(result: list[torch.Tensor]) -> Work:
+    """A completed Work holding ``result``."""
+    return Work(result)
+
+
+class CoalescedWork(Work):
+    """The Work of several operations (a coalesced batch): waits for each."""
+
+    def __init__(self, works: Sequence[Work], result: list[torch.Tensor]) -> None:
+        self._works = list(works)
+        super().__init__(result, requests=(), what="coalesced operations")
+        self._done = all(w._done for w in self._works)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        self._done = True
+        return True
+
+    def _test(self) -> bool:
+        self._done = all(w.is_completed() for w in self._works)
+        return self._done

@@ -1,0 +1,578 @@
+"""The process group of the "mpidist" backend: each torch.distributed operation as MPI calls
+on the group's own communicators (see :mod:`mpidist.torch.backend` for the whole picture).
+
+Argument conventions are those of torch's ``ProcessGroup`` methods, which torch's Python
+API and its C++ callers (DDP's reducer, functional collectives) invoke: lists of tensors and
+an options object. Every check that could fail runs before anything is communicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpidist import collectives as C
+from mpidist.comms import mpi
+from mpidist.torch import ops
+from mpidist.torch.ops import Work, as_host, counts_spec, reduction, scratch, spec, write_back
+
+__all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators"]
+
+BACKEND = "mpidist"
+_GROUPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_communicators() -> int:
+    """How many MPI communicators the backend's groups hold now (two per live group)."""
+    return sum(g.communicators() for g in list(_GROUPS))
+
+
+def _one(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{what}: the mpidist backend takes one tensor (or one list) per "
+                         f"call; got {len(tensors)}")
+    return tensors[0]
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _same_dtype(what: str, dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.dtype != dtype:
+            raise ValueError(f"{what}: tensors of {dtype} and {t.dtype} mixed in one call")
+
+
+def _parse_config(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        if ":" in part:
+            device, name = part.split(":", 1)
+            out[device.strip()] = name.strip().lower()
+    return out
+
+
+class ProcessGroupMPI(dist.ProcessGroup):
+    """A torch ProcessGroup whose operations are MPI calls on its own communicators.
+
+    Made by torch through :func:`register`'s creator for ``init_process_group("mpidist")``,
+    ``new_group(..., backend="mpidist")`` and DeviceMesh; not constructed by users.
+    """
+
+    def __init__(self, comm: Any, side: Any, base: Any, timeout: timedelta,
+                 store: Any = None) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._comm, self._side, self._base = comm, side, base
+        self._owner = threading.get_ident()
+        self._side_lock = threading.RLock()
+        self._timeout = timeout
+        self._store = store
+        self._name = ""
+        self._desc = ""
+        self._coalescing: list[Work] | None = None
+        self._config: dict[str, str] | None = None
+        self._others: dict[str, Any] = {}
+        _GROUPS.add(self)
+
+    # -- identity ------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def _get_backend_name(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def comm(self) -> Any:
+        """The group's MPI communicator (the backend's own duplicate; use it only for
+        reading its size and ranks, or for MPI calls no torch operation overlaps)."""
+        return self._comm
+
+    @property
+    def base(self) -> Any:
+        """The communicator this group's ranks are numbered in (the world it was made in)."""
+        return self._base
+
+    def communicators(self) -> int:
+        """How many MPI communicators this group still holds."""
+        return int(self._comm is not None) + int(self._side is not None)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Change the group's timeout (see the module docstring)."""
+        self._timeout = timeout
+
+    def shutdown(self) -> None:
+        """Free the group's communicators (torch calls it in ``destroy_process_group``)."""
+        for attr in ("_side", "_comm"):
+            comm = getattr(self, attr)
+            if comm is not None and comm != mpi().COMM_NULL:
+                comm.Free()
+            setattr(self, attr, None)
+        for other in self._others.values():
+            with contextlib.suppress(Exception):
+                other.shutdown()
+        self._others.clear()
+
+    def abort(self) -> None:
+        """Same as :meth:`shutdown` (MPI operations cannot be cancelled)."""
+        self.shutdown()
+
+    # -- plumbing ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _on(self, what: str, signature: str = "") -> Iterator[Any]:
+        """The communicator to use from this thread, with the debug check and watchdog."""
+        if self._comm is None:
+            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
+        if threading.get_ident() == self._owner:
+            comm, lock = self._comm, contextlib.nullcontext()
+        else:
+            comm, lock = self._side, self._side_lock
+        with lock:
+            if C.debug_enabled():
+                C.check_signature(comm, f"{what} {signature}")
+            label = f"{what} on group {self._name or '?'} ({self.size()} ranks)"
+            with ops.watch(label, self._timeout):
+                yield comm
+
+    def _work(self, work: Work) -> Work:
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    def _done(self, result: list[torch.Tensor]) -> Work:
+        return self._work(Work(result))
+
+    def _other(self, t: Any) -> Any:
+        """The backend of another kind serving ``t``'s device in a mixed group, or None."""
+        device = t.device.type if isinstance(t, torch.Tensor) else "cpu"
+        if self._config is None:
+            try:
+                self._config = _parse_config(dist.get_backend_config(self))
+            except Exception:  # not registered with torch (yet): ours alone
+                return None
+        name = self._config.get(device, BACKEND)
+        if name == BACKEND:
+            return None
+        if device not in self._others:
+            self._others[device] = _make_backend(name, device, self)
+        return self._others[device]
+
+    def _start_coalescing(self, device: Any = None) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device: Any = None) -> Work:
+        works, self._coalescing = self._coalescing or [], None
+        result = [t for w in works for t in w._result]
+        return ops.CoalescedWork(works, result)
+
+    # -- reductions ----------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.allreduce(tensors, opts or dist.AllreduceOptions())
+        t = _one(tensors, "all_reduce")
+        return self._allreduce_flat([t], (opts or dist.AllreduceOptions()).reduceOp,
+                                    "all_reduce")
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+        if not tensors:
+            return self._done([])
+        op = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        _same_dtype("all_reduce_coalesced", tensors[0].dtype, tensors)
+        return self._allreduce_flat(list(tensors), op, "all_reduce_coalesced")
+
+    def _allreduce_flat(self, tensors: list[torch.Tensor], op: Any, what: str) -> Work:
+        red = reduction(op, tensors[0].dtype, what)
+        if len(tensors) == 1:
+            wire = red.prepare(tensors[0])
+        else:
+            wire = torch.cat([red.prepare(t).reshape(-1) for t in tensors])
+        if self.size() > 1:
+            with self._on(what, f"{red.name} {[_describe(t) for t in tensors]}") as comm:
+                comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
+        red.finish(wire, self.size())
+        if len(tensors) == 1:
+            write_back(tensors[0], wire)
+        else:
+            for t, piece in zip(tensors, wire.split([t.numel() for t in tensors]), strict=True):
+                write_back(t, piece)
+        return self._done(tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts or dist.ReduceOptions()
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.reduce(tensors, opts)
+        t = _one(tensors, "reduce")
+        root = self._check_root(opts.rootRank, "reduce")
+        red = reduction(opts.reduceOp, t.dtype, "reduce")
+        wire = red.prepare(t)
+        if self.size() > 1:
+            with self._on("reduce", f"{red.name} root={root} {_describe(t)}") as comm:
+                if self.rank() == root:
+                    comm.Reduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op, root)
+                else:
+                    comm.Reduce(spec(wire, red.datatype), None, red.mpi_op, root)
+        if self.rank() == root:
+            red.finish(wire, self.size(), out=t)
+        return self._done([t])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> Work:
+        opts = opts or dist.ReduceScatterOptions()
+        other = self._other(outputs[0]) if outputs else None
+        if other is not None:
+            return other.reduce_scatter(outputs, inputs, opts)
+        out, ins = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")
+        n, r = self.size(), self.rank()
+        if len(ins) != n:
+            raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
+        _same_dtype("reduce_scatter", out.dtype, ins)
+        if ins[r].numel() != out.numel():
+            raise ValueError(f"reduce_scatter: output has {out.numel()} elements but this "
+                             f"rank's input piece {ins[r].numel()}")
+        red = reduction(opts.reduceOp, out.dtype, "reduce_scatter")
+        counts = [t.numel() for t in ins]
+        wire_in = torch.cat([red.prepare(t).reshape(-1) for t in ins])
+        wire_out = torch.empty(out.shape, dtype=red.wire)
+        with self._on("reduce_scatter", f"{red.name} {counts} {_describe(out)}") as comm:
+            comm.Reduce_scatter(spec(wire_in, red.datatype), spec(wire_out, red.datatype),
+                                counts, red.mpi_op)
+        red.finish(wire_out, n, out=out)
+        return self._done([out])
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Work:
+        opts = opts or dist.ReduceScatterOptions()
+        other = self._other(output)
+        if other is not None:
+            return other._reduce_scatter_base(output, input, opts)
+        n = self.size()
+        if input.numel() != n * output.numel():
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; "
+                             f"need {n} x {output.numel()} (the output) for a group of {n}")
+        _same_dtype("reduce_scatter_tensor", output.dtype, [input])
+        red = reduction(opts.reduceOp, output.dtype, "reduce_scatter_tensor")
+        wire_in = red.prepare(input)
+        direct = red.wire == output.dtype and not ops.overlaps(wire_in, output)
+        wire_out = scratch(output) if direct else torch.empty(output.shape, dtype=red.wire)
+        if n == 1:
+            wire_out.copy_(wire_in.reshape(wire_out.shape))
+        else:
+            with self._on("reduce_scatter_tensor", f"{red.name} {_describe(input)}") as comm:
+                comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
+                                          spec(wire_out, red.datatype), red.mpi_op)
+        red.finish(wire_out, n, out=output)
+        return self._done([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        works = [self.reduce_scatter_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return ops.CoalescedWork(works, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement -------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts or dist.BroadcastOptions()
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.broadcast(tensors, opts)
+        t = _one(tensors, "broadcast")
+        root = self._check_root(opts.rootRank, "broadcast")
+        if self.size() > 1:
+            buf = as_host(t) if self.rank() == root else scratch(t)
+            with self._on("broadcast", f"root={root} {_describe(t)}") as comm:
+                comm.Bcast(spec(buf), root)
+            if self.rank() != root:
+                write_back(t, buf)
+        return self._done([t])
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> Work:
+        other = self._other(inputs[0]) if inputs else None
+        if other is not None:
+            return other.allgather(outputs, inputs, opts or dist.AllgatherOptions())
+        t, outs = _one(inputs, "all_gather"), _one(outputs, "all_gather")
+        self._gather_lists("all_gather", t, outs)
+        counts = [o.numel() for o in outs]
+        src = as_host(t)
+        buf = torch.empty(sum(counts), dtype=t.dtype)
+        with self._on("all_gather", _describe(t)) as comm:
+            comm.Allgatherv(spec(src), counts_spec(buf, counts))
+        for o, piece in zip(outs, buf.split(counts), strict=True):
+            write_back(o, piece)
+        return self._done(list(outs))
+
+    def _gather_lists(self, what: str, t: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        n, r = self.size(), self.rank()
+        if len(outs) != n:
+            raise ValueError(f"{what}: {len(outs)} output tensors for a group of {n}")
+        _same_dtype(what, t.dtype, outs)
+        if outs[r].numel() != t.numel():
+            raise ValueError(f"{what}: input has {t.numel()} elements but this rank's "
+                             f"output slot {outs[r].numel()}")
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
+        return ops.CoalescedWork(works, [t for o in outputs for t in o])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> Work:
+        other = self._other(output)
+        if other is not None:
+            return other._allgather_base(output, input, opts or dist.AllgatherOptions())
+        n, r = self.size(), self.rank()
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; "
+                             f"need {n} x {input.numel()} (the input) for a group of {n}")
+        _same_dtype("all_gather_into_tensor", output.dtype, [input])
+        out = scratch(output)
+        src = as_host(input)
+        k = input.numel() * input.element_size()
+        in_place = src.data_ptr() == out.data_ptr() + r * k and src is input
+        if not in_place and ops.overlaps(src, out):
+            src = src.clone()
+        if n == 1:
+            if not in_place:
+                out.copy_(src.reshape(out.shape))
+        else:
+            with self._on("all_gather_into_tensor", _describe(input)) as comm:
+                if in_place:
+                    comm.Allgather(mpi().IN_PLACE, spec(out, parts=n))
+                else:
+                    comm.Allgather(spec(src), spec(out, parts=n))
+        write_back(output, out)
+        return self._done([output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        works = [self.all_gather_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return ops.CoalescedWork(works, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> Work:
+        opts = opts or dist.GatherOptions()
+        other = self._other(inputs[0]) if inputs else None
+        if other is not None:
+            return other.gather(outputs, inputs, opts)
+        t = _one(inputs, "gather")
+        root = self._check_root(opts.rootRank, "gather")
+        src = as_host(t)
+        if self.rank() == root:
+            outs = _one(outputs, "gather")
+            self._gather_lists("gather", t, outs)
+            counts = [o.numel() for o in outs]
+            buf = torch.empty(sum(counts), dtype=t.dtype)
+            with self._on("gather", f"root={root} {_describe(t)}") as comm:
+                comm.Gatherv(spec(src), counts_spec(buf, counts), root)
+            for o, piece in zip(outs, buf.split(counts), strict=True):
+                write_back(o, piece)
+            return self._done(list(outs))
+        if outputs and any(len(o) for o in outputs):
+            raise ValueError(f"gather: rank {self.rank()} is not the root ({root}) and must "
+                             "pass no output list")
+        with self._on("gather", f"root={root} {_describe(t)}") as comm:
+            comm.Gatherv(spec(src), None, root)
+        return self._done([])
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> Work:
+        opts = opts or dist.ScatterOptions()
+        other = self._other(outputs[0]) if outputs else None
+        if other is not None:
+            return other.scatter(outputs, inputs, opts)
+        out = _one(outputs, "scatter")
+        root = self._check_root(opts.rootRank, "scatter")
+        buf = scratch(out)
+        if self.rank() == root:
+            ins = _one(inputs, "scatter")
+            self._gather_lists("scatter", out, ins)
+            counts = [t.numel() for t in ins]
+            send = torch.cat([as_host(t).reshape(-1) for t in ins]) if ins else buf
+            with self._on("scatter", f"root={root} {_describe(out)}") as comm:
+                comm.Scatterv(counts_spec(send, counts), spec(buf), root)
+        else:
+            if inputs and any(len(i) for i in inputs):
+                raise ValueError(f"scatter: rank {self.rank()} is not the root ({root}) and "
+                                 "must pass no input list")
+            with self._on("scatter", f"root={root} {_describe(out)}") as comm:
+                comm.Scatterv(None, spec(buf), root)
+        write_back(out, buf)
+        return self._done([out])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> Work:
+        other = self._other(inputs[0]) if inputs else None
+        if other is not None:
+            return other.alltoall(outputs, inputs, opts or dist.AllToAllOptions())
+        n = self.size()
+        if len(inputs) != n or len(outputs) != n:
+            raise ValueError(f"all_to_all: {len(inputs)} inputs and {len(outputs)} outputs "
+                             f"for a group of {n}")
+        _same_dtype("all_to_all", inputs[0].dtype, list(inputs) + list(outputs))
+        send_counts = [t.numel() for t in inputs]
+        recv_counts = [t.numel() for t in outputs]
+        send = torch.cat([as_host(t).reshape(-1) for t in inputs])
+        recv = torch.empty(sum(recv_counts), dtype=inputs[0].dtype)
+        with self._on("all_to_all", str(inputs[0].dtype)) as comm:
+            comm.Alltoallv(counts_spec(send, send_counts), counts_spec(recv, recv_counts))
+        for o, piece in zip(outputs, recv.split(recv_counts), strict=True):
+            write_back(o, piece)
+        return self._done(list(outputs))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> Work:
+        other = self._other(input)
+        if other is not None:
+            return other.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                       opts or dist.AllToAllOptions())
+        _same_dtype("all_to_all_single", input.dtype, [output])
+        send_counts = self._splits("input", input, input_split_sizes)
+        recv_counts = self._splits("output", output, output_split_sizes)
+        src = as_host(input)
+        dst = scratch(output)
+        if ops.overlaps(src, dst):
+            src = src.clone()
+        with self._on("all_to_all_single", str(input.dtype)) as comm:
+            comm.Alltoallv(counts_spec(src, send_counts), counts_spec(dst, recv_counts))
+        write_back(output, dst)
+        return self._done([output])
+
+    alltoall_base = all_to_all_single
+
+    def _splits(self, what: str, t: torch.Tensor, sizes: Sequence[int]) -> list[int]:
+        n = self.size()
+        rows = t.shape[0] if t.dim() else 1
+        row = t.numel() // rows if rows else 0
+        if not sizes:
+            if rows % n:
+                raise ValueError(f"all_to_all_single: the {what}'s {rows} rows do not split "
+                                 f"evenly over {n} ranks; give {what}_split_sizes")
+            sizes = [rows // n] * n
+        if len(sizes) != n or sum(sizes) != rows:
+            raise ValueError(f"all_to_all_single: {what}_split_sizes={list(sizes)} must be "
+                             f"{n} sizes summing to the {what}'s {rows} rows")
+        return [int(s) * row for s in sizes]
+
+    def barrier(self, opts: Any = None) -> Work:
+        with self._on("barrier") as comm:
+            comm.Barrier()
+        return self._done([])
+
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """A barrier that raises RuntimeError on this rank when the others have not all
+        arrived within ``timeout`` (default: the group's timeout)."""
+        limit = (timeout or self._timeout).total_seconds()
+        with self._on("monitored_barrier") as comm:
+            req = comm.Ibarrier()
+            work = Work([], [req], what="monitored_barrier", timeout=self._timeout)
+        work.wait(timedelta(seconds=limit))
+
+    def _check_root(self, root: int, what: str) -> int:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{what}: root {root} is outside a group of {self.size()}")
+        return root
+
+    # -- point to point ------------------------------------------------------------------
+    def _peer(self, peer: int, what: str, tag: int) -> None:
+        if not 0 <= peer < self.size():
+            raise ValueError(f"{what}: rank {peer} is outside a group of {self.size()}")
+        if tag < 0:
+            raise ValueError(f"{what}: tag={tag} must be >= 0 for MPI")
+        if self._comm is None:
+            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.send(tensors, dst, tag)
+        t = _one(tensors, "send")
+        self._peer(dst, "send", tag)
+        src = as_host(t)
+        req = self._comm.Isend(spec(src), dst, tag)
+        return self._work(Work([t], [req], keep=(src,), what=f"send to {dst}",
+                               timeout=self._timeout))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.recv(tensors, src, tag)
+        t = _one(tensors, "recv")
+        self._peer(src, "recv", tag)
+        return self._irecv(t, src, tag, f"recv from {src}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        other = self._other(tensors[0]) if tensors else None
+        if other is not None:
+            return other.recv_anysource(tensors, tag)
+        t = _one(tensors, "recv")
+        self._peer(0, "recv", tag)
+        return self._irecv(t, mpi().ANY_SOURCE, tag, "recv from any source")
+
+    def _irecv(self, t: torch.Tensor, src: int, tag: int, what: str) -> Work:
+        buf = scratch(t)
+        req = self._comm.Irecv(spec(buf), src, tag)
+        return self._work(Work([t], [req], finish=lambda: write_back(t, buf), keep=(buf,),
+                               what=what, timeout=self._timeout))
+
+
+def _make_backend(name: str, device: str, group: ProcessGroupMPI) -> Any:
+    """torch's backend ``name`` for ``device`` tensors of ``group`` (a mixed group)."""
+    if group._store is None:
+        raise RuntimeError(f"group {group.group_name!r} has no store to create {name} with")
+    store = dist.PrefixStore(f"{device}/", group._store)
+    rank, size, timeout = group.rank(), group.size(), group._timeout
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    plugin = dist.Backend._plugins.get(name.upper())
+    if plugin is None:
+        raise ValueError(f"backend {name!r} for {device} tensors is not known to torch")
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, size, timeout)
+    options = dist.distributed_c10d._DistributedBackendOptions()
+    options.store, options.group_rank, options.group_size = store, rank, size
+    options.timeout, options.group_id = timeout, group.group_name
+    return plugin.creator_fn(options, None)
