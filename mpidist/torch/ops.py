@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -224,7 +225,7 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._active: dict[int, tuple[float, float, str]] = {}
+        self._active: dict[int, tuple[float, float, str, int]] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
 
@@ -232,7 +233,7 @@ class _Watchdog:
         with self._lock:
             self._next += 1
             token = self._next
-            self._active[token] = (time.monotonic(), deadline, what)
+            self._active[token] = (time.monotonic(), deadline, what, threading.get_ident())
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mpidist-watchdog",
                                                 daemon=True)
@@ -248,11 +249,14 @@ class _Watchdog:
             time.sleep(1.0)
             now = time.monotonic()
             with self._lock:
-                late = [(s, w) for s, d, w in self._active.values() if now > d]
+                late = [(s, w, t) for s, d, w, t in self._active.values() if now > d]
             if late:
-                started, what = late[0]
+                started, what, thread = late[0]
+                frame = sys._current_frames().get(thread)
+                where = "".join(traceback.format_stack(frame)[-12:]) if frame else ""
                 _abort(f"{what} has not completed after {now - started:.0f} s, past its "
-                       "group's timeout; ending the job (MPI_Abort)")
+                       f"group's timeout; ending the job (MPI_Abort). It was called from:\n"
+                       f"{where}")
 
 
 _WATCHDOG = _Watchdog()
@@ -261,7 +265,9 @@ _WATCHDOG = _Watchdog()
 def _abort(message: str) -> None:
     world = mpi().COMM_WORLD
     stream = sys.__stderr__ or sys.stderr
-    stream.write(f"[rank {world.Get_rank()}] mpidist backend: {message}\n")
+    rank = world.Get_rank()
+    stream.write("".join(f"[rank {rank}] {line}\n" for line in
+                         f"mpidist backend: {message}".rstrip("\n").split("\n")))
     stream.flush()
     world.Abort(1)
 

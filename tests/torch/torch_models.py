@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import gc
 import os
 import tempfile
 
@@ -68,6 +70,59 @@ class BNNet(torch.nn.Module):
         return {"logits": self.fc2(h), "hidden": h}
 
 
+class MLPBlock(torch.nn.Module):
+    """A residual MLP block whose two linears take a column / row tensor-parallel plan."""
+
+    def __init__(self, d: int = 6, hidden: int = 24) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, hidden)
+        self.down = torch.nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d: int = 6, classes: int = 5, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(MLPBlock(d) for _ in range(depth))
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Chain(torch.nn.Module):
+    """``stages`` small stages run one after the other (a model cut for a pipeline)."""
+
+    def __init__(self, stages: int, d: int = 6, classes: int = 5) -> None:
+        super().__init__()
+        layers = []
+        for s in range(stages):
+            parts = [torch.nn.Linear(d, d), torch.nn.Tanh()]
+            if s == stages - 1:
+                parts.append(torch.nn.Linear(d, classes))
+            layers.append(torch.nn.Sequential(*parts))
+        self.stages = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def make_mlp(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP().double()
+
+
+def make_chain(stages: int, seed: int = 0) -> Chain:
+    torch.manual_seed(seed)
+    return Chain(stages).double()
+
+
 def make(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = TinyGPT() if kind == "gpt" else BNNet()
@@ -126,11 +181,18 @@ def use_backend(name: str, comm) -> None:
     if dist.is_initialized():
         if dist.get_backend() == name:
             return
+        # gloo's groups close their connections with their peers when they are freed: free
+        # them everywhere at the same point, not whenever each rank's garbage collector runs.
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
+        comm.Barrier()
     if name == "mpidist":
         import mpidist.torch  # noqa: F401 - registers the backend
 
-        dist.init_process_group("mpidist")
+        # A test that hangs ends with the watchdog's report of where, well before pytest's
+        # per-test timeout.
+        dist.init_process_group("mpidist", timeout=datetime.timedelta(seconds=120))
         return
     path = tempfile.mkdtemp(prefix="mpidist-gloo-") if comm.Get_rank() == 0 else None
     path = comm.bcast(path, root=0)

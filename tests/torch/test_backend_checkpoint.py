@@ -1,0 +1,156 @@
+"""torch.distributed.checkpoint on the "mpidist" backend: save from FSDP2 at N ranks; load
+into another mesh, into N-1 ranks and into one process; async_save while the main thread
+keeps communicating."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch_models as M  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+@pytest.fixture
+def world(comm):
+    M.use_backend("mpidist", comm)
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.fixture
+def shared_dir(comm):
+    path = comm.bcast(tempfile.mkdtemp(prefix="mpidist-dcp-") if comm.Get_rank() == 0
+                      else None)
+    yield path
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sharded_mlp(mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = M.make_mlp()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(model, steps: int = 2) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = M.batch("mlp", step, 12)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return opt
+
+
+def full_values(state: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{k2}": a for k2, a in full_values(v).items()})
+        elif isinstance(v, torch.Tensor):
+            t = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = t.detach().numpy().copy()
+    return out
+
+
+def saved(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dcp_reshards_to_another_mesh_world_size_and_one_process(world, shared_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    rank, n = world
+    model = sharded_mlp(init_device_mesh("cpu", (n,)))
+    opt = train(model)
+    state = saved(model, opt)
+    expected = full_values(state)
+    dcp.save(state, checkpoint_id=shared_dir)
+
+    # another mesh: replicate x shard (HSDP) over the same ranks
+    shape = (2, n // 2) if n % 2 == 0 else (1, n)
+    other = sharded_mlp(init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard")))
+    other_opt = train(other, steps=1)  # so that the optimizer has state to overwrite
+    target = saved(other, other_opt)
+    dcp.load(target, checkpoint_id=shared_dir)
+    set_state_dict(other, other_opt, model_state_dict=target["model"],
+                   optim_state_dict=target["optim"])
+    got = full_values(saved(other, other_opt))
+    M.assert_close(got, expected, rtol=0, what="other mesh")
+
+    # another world size: the first n-1 ranks
+    sub = dist.new_group(list(range(n - 1)))
+    if rank < n - 1:
+        small = sharded_mlp(DeviceMesh.from_group(sub, "cpu"))
+        small_opt = train(small, steps=1)
+        target = saved(small, small_opt)
+        dcp.load(target, checkpoint_id=shared_dir, process_group=sub)
+        set_state_dict(small, small_opt, model_state_dict=target["model"],
+                       optim_state_dict=target["optim"])
+        got = full_values(saved(small, small_opt))
+        M.assert_close(got, expected, rtol=0, what=f"{n - 1} ranks")
+    dist.barrier()
+
+    # one process, no communication: a plain module
+    plain = M.make_mlp(seed=5)
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=shared_dir, no_dist=True)
+    M.assert_close({f"model.{k}": v.numpy() for k, v in sd.items()},
+                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
+                   what="one process")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_save_while_the_main_thread_communicates(world, shared_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, n = world
+    model = sharded_mlp(init_device_mesh("cpu", (n,)))
+    opt = train(model)
+    state = saved(model, opt)
+    expected = full_values(state)
+    future = dcp.async_save(state, checkpoint_id=shared_dir)
+    # Training goes on: collectives on the same group from the main thread while the save
+    # thread runs its own (they travel on the group's second communicator).
+    # (as many rounds as the save takes on rank 0, at least 200)
+    # The same kinds of collectives as the save's (gathers and broadcasts).
+    i, go = 0, torch.ones(1)
+    while go.item():
+        out = torch.empty(n, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, torch.full((1,), float(i + rank), dtype=torch.float64))
+        assert out.tolist() == [float(i + r) for r in range(n)], f"round {i}: {out.tolist()}"
+        b = torch.full((2,), float(i + rank))
+        dist.broadcast(b, src=i % n)
+        assert b.tolist() == [float(i + i % n)] * 2, f"round {i}: {b.tolist()}"
+        i += 1
+        if i % 20 == 0:
+            go.fill_(float(i < 200 or not future.done()))
+            dist.broadcast(go, src=0)
+    train(model, steps=1)
+    future.result()
+    dist.barrier()
+    plain = M.make_mlp(seed=5)
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=shared_dir, no_dist=True)
+    M.assert_close({f"model.{k}": v.numpy() for k, v in sd.items()},
+                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
+                   what="async_save")
