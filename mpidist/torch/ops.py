@@ -282,6 +282,31 @@ def watch(what: str, timeout: timedelta) -> Iterator[None]:
         _WATCHDOG.stop(token)
 
 
+_ABANDONED: list[Any] = []  # requests left behind by a timeout: MPI may still use them
+
+
+def abandon(request: Any) -> None:
+    """Keep a request that timed out alive for as long as MPI may touch it."""
+    _ABANDONED.append(request)
+
+
+def wait_until(request: Any, seconds: float, pending: dict[Any, Any] | None = None) -> bool:
+    """Poll ``request`` (or every request of ``pending``) until done or ``seconds`` have
+    passed; True when done. A request not done is abandoned (:func:`abandon`)."""
+    requests = [request] if pending is None else list(pending.values())
+    deadline = time.monotonic() + max(seconds, 0.0)
+    spins = 0
+    while not mpi().Request.Testall(requests):
+        if time.monotonic() >= deadline:
+            if pending is None:
+                abandon(request)
+            return False
+        spins += 1
+        if spins > 1000:
+            time.sleep(0.0002)
+    return True
+
+
 # -- works ----------------------------------------------------------------------------------
 class Work(dist.Work):
     """The handle of one backend operation, as torch's ``Work``.
@@ -330,7 +355,7 @@ class Work(dist.Work):
             deadline = time.monotonic() + seconds
             while not self._test():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self._what} timed out after {seconds:g} s in wait()")
+                    raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
             return True
         with watch(self._what, self._timeout):
             if len(self._requests) == 1:

@@ -9,6 +9,7 @@ an options object. Every check that could fail runs before anything is communica
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,7 @@ from mpidist.torch.ops import Work, as_host, counts_spec, reduction, scratch, sp
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators"]
 
 BACKEND = "mpidist"
+_MONITOR_TAG = 32000  # (MPI guarantees tags up to 32767)
 _GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -195,8 +197,32 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if other is not None:
             return other.allreduce(tensors, opts or dist.AllreduceOptions())
         t = _one(tensors, "all_reduce")
-        return self._allreduce_flat([t], (opts or dist.AllreduceOptions()).reduceOp,
-                                    "all_reduce")
+        op = (opts or dist.AllreduceOptions()).reduceOp
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, op)
+        return self._allreduce_flat([t], op, "all_reduce")
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: Any) -> Work:
+        """SUM of sparse COO tensors: every rank's indices and values gathered, then
+        coalesced (as gloo does); the result replaces ``t``'s contents."""
+        if getattr(op, "op", op) != dist.ReduceOp.SUM:
+            raise ValueError("all_reduce of a sparse tensor: the mpidist backend sums "
+                             f"(ReduceOp.SUM) only; got {getattr(op, 'op', op)}")
+        local = t.detach().coalesce().to("cpu")
+        indices = local.indices().t().contiguous()
+        values = local.values().contiguous()
+        with self._on("all_reduce (sparse)", f"{t.dtype} {list(t.shape)}") as comm:
+            counts = comm.allgather(indices.shape[0])
+            all_indices = torch.empty((sum(counts), indices.shape[1]), dtype=indices.dtype)
+            comm.Allgatherv(spec(indices), counts_spec(all_indices, [c * indices.shape[1]
+                                                                     for c in counts]))
+            width = math.prod(values.shape[1:])
+            all_values = torch.empty((sum(counts), *values.shape[1:]), dtype=values.dtype)
+            comm.Allgatherv(spec(values), counts_spec(all_values, [c * width for c in counts]))
+        total = torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(total.to(t.device))
+        return self._done([t])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         other = self._other(tensors[0]) if tensors else None
@@ -345,7 +371,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
+        # outputs[r][i] receives rank r's inputs[i]
+        if len(outputs) != self.size() or any(len(o) != len(inputs) for o in outputs):
+            raise ValueError(f"all_gather_coalesced: need {self.size()} output lists (one per "
+                             f"rank) of {len(inputs)} tensors (one per input)")
+        works = [self.allgather([[o[i] for o in outputs]], [t], opts)
+                 for i, t in enumerate(inputs)]
         return ops.CoalescedWork(works, [t for o in outputs for t in o])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -493,19 +524,50 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return [int(s) * row for s in sizes]
 
     def barrier(self, opts: Any = None) -> Work:
+        """Wait for every rank. Past the group's timeout: RuntimeError on this rank (a
+        barrier holds no data, so it can be left behind, unlike a data collective)."""
+        timeout = self._timeout
+        if opts is not None and opts.timeout.total_seconds() > 0:
+            timeout = opts.timeout
         with self._on("barrier") as comm:
-            comm.Barrier()
+            req = comm.Ibarrier()
+        if not ops.wait_until(req, timeout.total_seconds()):
+            raise RuntimeError(f"barrier on group {self._name!r}: Timed out after "
+                               f"{timeout.total_seconds():g} s waiting for the other ranks ")
         return self._done([])
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
-        """A barrier that raises RuntimeError on this rank when the others have not all
-        arrived within ``timeout`` (default: the group's timeout)."""
-        limit = (timeout or self._timeout).total_seconds()
-        with self._on("monitored_barrier") as comm:
-            req = comm.Ibarrier()
-            work = Work([], [req], what="monitored_barrier", timeout=self._timeout)
-        work.wait(timedelta(seconds=limit))
+        """gloo's monitored barrier: rank 0 waits ``timeout`` (default the group's) for
+        every other rank and raises RuntimeError naming the first rank that did not arrive
+        (every such rank with ``wait_all_ranks``); the others wait for rank 0's release."""
+        limit = (self._timeout if timeout is None else timeout).total_seconds()
+        rank, n = self.rank(), self.size()
+        if self._comm is None:
+            raise RuntimeError(f"monitored_barrier: process group {self._name!r} was destroyed")
+        tag = _MONITOR_TAG
+        token = torch.zeros(1, dtype=torch.uint8)
+        if rank != 0:
+            self._comm.Send(spec(token), 0, tag)
+            if not ops.wait_until(self._comm.Irecv(spec(token), 0, tag), limit):
+                raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but "
+                                   f"was not released by rank 0 within {limit:g} s")
+            return
+        if limit <= 0 and n > 1:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {limit * 1e3:g} ms")
+        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(n)]
+        reqs = {r: self._comm.Irecv(spec(tokens[r]), r, tag) for r in range(1, n)}
+        ops.wait_until(None, limit, pending=reqs)
+        late = sorted(r for r, req in reqs.items() if not req.Test())
+        if late:
+            for r in late:
+                reqs[r].Cancel()
+                ops.abandon(reqs[r])
+            shown = late if wait_all_ranks else late[:1]
+            who = "Ranks " + ", ".join(map(str, shown)) if len(shown) > 1 else f"Rank {late[0]}"
+            raise RuntimeError(f"{who} failed to pass monitoredBarrier in {limit * 1e3:g} ms")
+        for r in range(1, n):
+            self._comm.Send(spec(token), r, tag)
 
     def _check_root(self, root: int, what: str) -> int:
         if not 0 <= root < self.size():

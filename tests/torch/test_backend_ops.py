@@ -14,7 +14,8 @@ import torch_models as M  # noqa: E402
 from mpidist.torch import backend  # noqa: E402
 
 R = dist.ReduceOp
-pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning",
+                                      "ignore:Sparse invariant:UserWarning")
 
 
 @pytest.fixture
@@ -393,3 +394,40 @@ def test_samplers_and_queries_behave_as_with_gloo(world):
     assert list(DistributedSampler(list(range(11)), shuffle=False)) == list(
         DistributedSampler(list(range(11)), num_replicas=n, rank=rank, shuffle=False))
     assert dist.get_process_group_ranks(dist.group.WORLD) == list(range(n))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sparse_all_reduce_and_all_gather_coalesced(world):
+    rank, n = world
+    i = torch.tensor([[rank, 0], [0, rank + 1]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0]), (n + 1, n + 2))
+    dist.all_reduce(t)
+    dense = sum(torch.sparse_coo_tensor(torch.tensor([[r, 0], [0, r + 1]]),
+                                        torch.tensor([1.0, 2.0]), (n + 1, n + 2)).to_dense()
+                for r in range(n))
+    assert torch.equal(t.to_dense(), dense)
+    inputs = [torch.full((2,), float(rank)), torch.full((3,), 10.0 + rank)]
+    outputs = [[torch.empty(2), torch.empty(3)] for _ in range(n)]
+    dist.all_gather_coalesced(outputs, inputs)
+    assert [o[0].tolist() for o in outputs] == [[float(r)] * 2 for r in range(n)]
+    assert [o[1].tolist() for o in outputs] == [[10.0 + r] * 3 for r in range(n)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier_and_monitored_barrier_time_out_with_an_error(world):
+    import datetime
+
+    rank, n = world
+    g = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    g.monitored_barrier(datetime.timedelta(seconds=30))  # everyone: passes
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=" Timed out "):
+            dist.barrier(group=g)  # nobody else comes
+    last = n - 1
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=f"Rank {last} failed to pass monitoredBarrier"):
+            g.monitored_barrier(datetime.timedelta(seconds=1))
+    elif rank != last:
+        with pytest.raises(RuntimeError, match="not released by rank 0"):
+            g.monitored_barrier(datetime.timedelta(seconds=3))
+    dist.barrier()  # the default group is untouched
