@@ -170,7 +170,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def _other(self, t: Any) -> Any:
         """The backend of another kind serving ``t``'s device in a mixed group, or None."""
-        device = t.device.type if isinstance(t, torch.Tensor) else "cpu"
+        return self.backend_for(t.device.type if isinstance(t, torch.Tensor) else "cpu")
+
+    def backend_for(self, device: str) -> Any:
+        """The torch backend that runs this group's operations on ``device`` tensors when
+        the group was made with a mixed backend string (``"cpu:mpidist,cuda:nccl"``),
+        created on first use (collective over the group); None where mpidist runs them."""
         if self._config is None:
             try:
                 self._config = _parse_config(dist.get_backend_config(self))
