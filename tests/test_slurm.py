@@ -330,3 +330,27 @@ def test_preempted_job_checkpoints_requeues_and_finishes(slurm, workdir: Path) -
     train = [r["step"] for r in _rows(out / "metrics.jsonl") if r.get("split") == "train"]
     assert train == list(range(1, steps + 1))  # each step trained once across the starts
     assert (out / "latest").read_text().strip() == f"ckpt-{steps:08d}.h5"
+
+
+@pytest.mark.timeout(600)
+def test_torch_backend_under_srun(slurm, workdir: Path) -> None:
+    """torch's init_process_group("mpidist") under `srun --mpi=pmix` takes its ranks from
+    MPI; `srun --mpi=none` (no MPI plugin) is one clear line naming --mpi=pmix."""
+    pytest.importorskip("torch")
+    script = REPO / "tests" / "torch" / "backend_launch.py"
+    run = f"{sys.executable} {script} plain"
+    wrap = (f"srun --mpi=pmix {run}; echo pmix-rc=$?; "
+            f"srun --mpi=none {run} 2>&1 | grep -m1 'srun started'; echo none-done")
+    r = subprocess.run(["sbatch", "--parsable", "-n", "3", "-J", "mpidist-torch",
+                        "-o", "%x-%j.out", "--wrap", wrap], cwd=workdir,
+                       env=_job_env(PYTHONWARNINGS="ignore"), capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    text = _assert_ok(_wait(r.stdout.strip().split(";")[0]))
+    rows = sorted((json.loads(line) for line in text.splitlines()
+                   if line.startswith('{"rank"')), key=lambda row: row["rank"])
+    assert [(row["rank"], row["size"], row["sum"], row["backend"]) for row in rows] == [
+        (0, 3, 6.0, "mpidist"), (1, 3, 6.0, "mpidist"), (2, 3, 6.0, "mpidist")]
+    assert "pmix-rc=0" in text
+    assert "srun started 3 tasks but each is an MPI world of 1" in text
+    assert "srun --mpi=pmix" in text

@@ -73,6 +73,8 @@ def init_process_group(backend: str | None = None, *, comm: Any = None,
     rendezvous). A backend string naming "mpidist" for some devices (``"cpu:mpidist,
     cuda:nccl"``) is used as given; any other name is replaced by "mpidist". Collective over
     ``comm``."""
+    if comm is None:
+        _rendezvous.check_srun()  # before MPI is initialised
     comm = resolve_comm(comm)
     for key, mine in (("rank", comm.Get_rank()), ("world_size", comm.Get_size())):
         given = kwargs.pop(key, None)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mpidist.comms import mpi
 
-__all__ = ["check_world", "install", "launched_by_mpi", "mpi_store"]
+__all__ = ["check_srun", "check_world", "install", "launched_by_mpi", "mpi_store"]
 
 # Variables an MPI launcher sets in each process it starts (Open MPI, MPICH/Hydra/Intel MPI,
 # PMIx as under srun --mpi=pmix).
@@ -56,6 +56,24 @@ def _mpi_initialized() -> bool:
     return module is not None and module.Is_initialized()
 
 
+def check_srun(what: str = "init_process_group", environ: dict[str, str] | None = None) -> None:
+    """Raise ValueError when srun started this process among several tasks without an MPI
+    plugin (no PMIx/PMI variables), before MPI is initialised: Open MPI would abort in
+    MPI_Init with advice about building Open MPI, other MPIs would start a world of one per
+    task. Pure (reads the environment)."""
+    env = os.environ if environ is None else environ
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    plugin = any(v in env for v in ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE"))
+    if "SLURM_STEP_ID" in env and tasks.isdigit() and int(tasks) > 1 and not plugin:
+        raise ValueError(_srun_message(what, tasks))
+
+
+def _srun_message(what: str, tasks: str) -> str:
+    return (f"{what}: srun started {tasks} tasks but each is an MPI world of 1: srun has no "
+            "MPI plugin here; launch with `srun --mpi=pmix` (see `srun --mpi=list`) or set "
+            "MpiDefault=pmix in slurm.conf")
+
+
 def check_world(comm: Any, size: int | None = None, what: str = "init_process_group") -> None:
     """Raise ValueError when MPI's world cannot be the one torch was asked for: ``srun``
     without an MPI plugin (each task an MPI world of one while Slurm started several), or a
@@ -64,10 +82,7 @@ def check_world(comm: Any, size: int | None = None, what: str = "init_process_gr
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
     if n == 1 and "SLURM_STEP_ID" in os.environ and tasks and int(tasks) > 1 and \
             not any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
-        raise ValueError(
-            f"{what}: srun started {tasks} tasks but each is an MPI world of 1: srun has no "
-            "MPI plugin here; launch with `srun --mpi=pmix` (see `srun --mpi=list`) or "
-            "set MpiDefault=pmix in slurm.conf")
+        raise ValueError(_srun_message(what, tasks))
     if size is not None and size != n:
         raise ValueError(f"{what}: world_size={size} but MPI says {n} for this process "
                          "(launch with mpiexec -n or srun -n, not torchrun)")
@@ -152,6 +167,7 @@ def _env_handler(url: str, timeout: timedelta = dist.default_pg_timeout,
     if not (launched_by_mpi() or _mpi_initialized() or none_set):
         yield from original(url, timeout=timeout, **kwargs)
         return
+    check_srun()
     comm = mpi().COMM_WORLD
     check_world(comm)
     rank, size = _agree(comm, given)
