@@ -9,15 +9,17 @@ an options object. Every check that could fail runs before anything is communica
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d  # the options classes torch passes
 
 from mpidist import collectives as C
 from mpidist.comms import mpi
@@ -51,6 +53,30 @@ def _same_dtype(what: str, dtype: torch.dtype, tensors: Sequence[torch.Tensor]) 
     for t in tensors:
         if t.dtype != dtype:
             raise ValueError(f"{what}: tensors of {dtype} and {t.dtype} mixed in one call")
+
+
+def _mixed(name: str, where: tuple[int, ...], options: Any = None,
+           at: int | None = None) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
+    """In a mixed group, hand the call to the backend that serves the device of the tensor
+    at ``args[where[0]][where[1]]``, as its method ``name`` (with default ``options`` at
+    argument ``at`` when the caller gave none); otherwise run the decorated method."""
+    def wrap(method: Callable[..., Work]) -> Callable[..., Work]:
+        @functools.wraps(method)
+        def run(self: ProcessGroupMPI, *args: Any) -> Any:
+            t: Any = args
+            for i in where:
+                t = t[i] if len(t) > i else None
+                if t is None:
+                    break
+            other = self._other(t) if isinstance(t, torch.Tensor) else None
+            if other is None:
+                return method(self, *args)
+            if options is not None and at is not None and (len(args) <= at or
+                                                           args[at] is None):
+                args = (*args[:at], options())
+            return getattr(other, name)(*args)
+        return run
+    return wrap
 
 
 def _parse_config(text: str) -> dict[str, str]:
@@ -197,12 +223,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return ops.CoalescedWork(works, result)
 
     # -- reductions ----------------------------------------------------------------------
+    @_mixed("allreduce", (0, 0), c10d.AllreduceOptions, 1)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.allreduce(tensors, opts or dist.AllreduceOptions())
         t = _one(tensors, "all_reduce")
-        op = (opts or dist.AllreduceOptions()).reduceOp
+        op = (opts or c10d.AllreduceOptions()).reduceOp
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, op)
         return self._allreduce_flat([t], op, "all_reduce")
@@ -229,13 +253,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
             t.copy_(total.to(t.device))
         return self._done([t])
 
+    @_mixed("allreduce_coalesced", (0, 0), c10d.AllreduceCoalescedOptions, 1)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
         if not tensors:
             return self._done([])
-        op = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        op = (opts or c10d.AllreduceCoalescedOptions()).reduceOp
         _same_dtype("all_reduce_coalesced", tensors[0].dtype, tensors)
         return self._allreduce_flat(list(tensors), op, "all_reduce_coalesced")
 
@@ -256,11 +278,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 write_back(t, piece)
         return self._done(tensors)
 
+    @_mixed("reduce", (0, 0), c10d.ReduceOptions, 1)
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        opts = opts or dist.ReduceOptions()
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.reduce(tensors, opts)
+        opts = opts or c10d.ReduceOptions()
         t = _one(tensors, "reduce")
         root = self._check_root(opts.rootRank, "reduce")
         red = reduction(opts.reduceOp, t.dtype, "reduce")
@@ -275,12 +295,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
             red.finish(wire, self.size(), out=t)
         return self._done([t])
 
+    @_mixed("reduce_scatter", (0, 0), c10d.ReduceScatterOptions, 2)
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> Work:
-        opts = opts or dist.ReduceScatterOptions()
-        other = self._other(outputs[0]) if outputs else None
-        if other is not None:
-            return other.reduce_scatter(outputs, inputs, opts)
+        opts = opts or c10d.ReduceScatterOptions()
         out, ins = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")
         n, r = self.size(), self.rank()
         if len(ins) != n:
@@ -299,12 +317,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         red.finish(wire_out, n, out=out)
         return self._done([out])
 
+    @_mixed("_reduce_scatter_base", (0,), c10d.ReduceScatterOptions, 2)
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> Work:
-        opts = opts or dist.ReduceScatterOptions()
-        other = self._other(output)
-        if other is not None:
-            return other._reduce_scatter_base(output, input, opts)
+        opts = opts or c10d.ReduceScatterOptions()
         n = self.size()
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; "
@@ -334,11 +350,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement -------------------------------------------------------------------
+    @_mixed("broadcast", (0, 0), c10d.BroadcastOptions, 1)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        opts = opts or dist.BroadcastOptions()
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.broadcast(tensors, opts)
+        opts = opts or c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
         if self.size() > 1:
@@ -349,11 +363,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 write_back(t, buf)
         return self._done([t])
 
+    @_mixed("allgather", (1, 0), c10d.AllgatherOptions, 2)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Work:
-        other = self._other(inputs[0]) if inputs else None
-        if other is not None:
-            return other.allgather(outputs, inputs, opts or dist.AllgatherOptions())
         t, outs = _one(inputs, "all_gather"), _one(outputs, "all_gather")
         self._gather_lists("all_gather", t, outs)
         counts = [o.numel() for o in outs]
@@ -384,11 +396,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
                  for i, t in enumerate(inputs)]
         return ops.CoalescedWork(works, [t for o in outputs for t in o])
 
+    @_mixed("_allgather_base", (0,), c10d.AllgatherOptions, 2)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Work:
-        other = self._other(output)
-        if other is not None:
-            return other._allgather_base(output, input, opts or dist.AllgatherOptions())
         n, r = self.size(), self.rank()
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; "
@@ -422,12 +432,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @_mixed("gather", (1, 0), c10d.GatherOptions, 2)
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> Work:
-        opts = opts or dist.GatherOptions()
-        other = self._other(inputs[0]) if inputs else None
-        if other is not None:
-            return other.gather(outputs, inputs, opts)
+        opts = opts or c10d.GatherOptions()
         t = _one(inputs, "gather")
         root = self._check_root(opts.rootRank, "gather")
         src = as_host(t)
@@ -448,12 +456,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
             comm.Gatherv(spec(src), None, root)
         return self._done([])
 
+    @_mixed("scatter", (0, 0), c10d.ScatterOptions, 2)
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> Work:
-        opts = opts or dist.ScatterOptions()
-        other = self._other(outputs[0]) if outputs else None
-        if other is not None:
-            return other.scatter(outputs, inputs, opts)
+        opts = opts or c10d.ScatterOptions()
         out = _one(outputs, "scatter")
         root = self._check_root(opts.rootRank, "scatter")
         buf = scratch(out)
@@ -473,11 +479,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
         write_back(out, buf)
         return self._done([out])
 
+    @_mixed("alltoall", (1, 0), c10d.AllToAllOptions, 2)
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> Work:
-        other = self._other(inputs[0]) if inputs else None
-        if other is not None:
-            return other.alltoall(outputs, inputs, opts or dist.AllToAllOptions())
         n = self.size()
         if len(inputs) != n or len(outputs) != n:
             raise ValueError(f"all_to_all: {len(inputs)} inputs and {len(outputs)} outputs "
@@ -493,13 +497,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
             write_back(o, piece)
         return self._done(list(outputs))
 
+    @_mixed("alltoall_base", (1,), c10d.AllToAllOptions, 4)
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Work:
-        other = self._other(input)
-        if other is not None:
-            return other.alltoall_base(output, input, output_split_sizes, input_split_sizes,
-                                       opts or dist.AllToAllOptions())
         _same_dtype("all_to_all_single", input.dtype, [output])
         send_counts = self._splits("input", input, input_split_sizes)
         recv_counts = self._splits("output", output, output_split_sizes)
@@ -588,10 +589,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if self._comm is None:
             raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
 
+    @_mixed("send", (0, 0))
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.send(tensors, dst, tag)
         t = _one(tensors, "send")
         self._peer(dst, "send", tag)
         src = as_host(t)
@@ -599,18 +598,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._work(Work([t], [req], keep=(src,), what=f"send to {dst}",
                                timeout=self._timeout))
 
+    @_mixed("recv", (0, 0))
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.recv(tensors, src, tag)
         t = _one(tensors, "recv")
         self._peer(src, "recv", tag)
         return self._irecv(t, src, tag, f"recv from {src}")
 
+    @_mixed("recv_anysource", (0, 0))
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        other = self._other(tensors[0]) if tensors else None
-        if other is not None:
-            return other.recv_anysource(tensors, tag)
         t = _one(tensors, "recv")
         self._peer(0, "recv", tag)
         return self._irecv(t, mpi().ANY_SOURCE, tag, "recv from any source")

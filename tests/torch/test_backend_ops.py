@@ -431,3 +431,32 @@ def test_barrier_and_monitored_barrier_time_out_with_an_error(world):
         with pytest.raises(RuntimeError, match="not released by rank 0"):
             g.monitored_barrier(datetime.timedelta(seconds=3))
     dist.barrier()  # the default group is untouched
+
+
+def test_a_world_of_one_and_methods_called_without_options():
+    """Plain pytest (no mpiexec): a world of one, every method of the group called directly
+    as torch's C++ callers may, without an options object."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("mpidist")
+    try:
+        pg = dist.group.WORLD
+        t = torch.arange(4.0)
+        for work in (pg.allreduce([t]), pg.allreduce_coalesced([t]), pg.reduce([t]),
+                     pg.broadcast([t]), pg.barrier()):
+            assert work.wait() and work.is_completed()
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+        out = torch.empty(4)
+        pg.allgather([[out]], [t]).wait()
+        pg.all_gather_single(out, t).wait()
+        pg.reduce_scatter_single(out, t).wait()
+        pg.reduce_scatter([out], [[t]]).wait()
+        pg.gather([[out]], [t]).wait()
+        pg.scatter([out], [[t]]).wait()
+        pg.alltoall([out], [t]).wait()
+        pg.all_to_all_single(out, t, [], []).wait()
+        assert out.tolist() == t.tolist()
+        assert dist.get_rank() == 0 and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+    assert backend.live_communicators() == 0
