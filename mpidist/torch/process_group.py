@@ -343,8 +343,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        works = [self.reduce_scatter_single(o, i, opts)
-                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._pairwise(self.reduce_scatter_single, outputs, inputs, opts)
+
+    def _pairwise(self, one: Callable[..., Work], outputs: Sequence[torch.Tensor],
+                  inputs: Sequence[torch.Tensor], opts: Any) -> Work:
+        """A coalesced form: ``one(output, input, opts)`` for each pair, one Work."""
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return ops.CoalescedWork(works, list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -426,9 +430,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
                                     inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        works = [self.all_gather_single(o, i, opts)
-                 for o, i in zip(outputs, inputs, strict=True)]
-        return ops.CoalescedWork(works, list(outputs))
+        return self._pairwise(self.all_gather_single, outputs, inputs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 

@@ -72,62 +72,70 @@ def saved(model, opt) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def trained_fsdp(n: int) -> tuple[torch.nn.Module, dict, dict[str, np.ndarray]]:
+    """An FSDP2 model over every rank after two steps: the model, its state to save, and
+    that state's full values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = sharded_mlp(init_device_mesh("cpu", (n,)))
+    state = saved(model, train(model))
+    return model, state, full_values(state)
+
+
+def assert_loads(model: torch.nn.Module, path: str, expected: dict[str, np.ndarray],
+                 what: str, group=None) -> None:
+    """``model`` (sharded some other way) and its optimizer load the checkpoint exactly.
+    Collective over ``group`` (default every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    opt = train(model, steps=1)  # so that the optimizer has state to overwrite
+    target = saved(model, opt)
+    dcp.load(target, checkpoint_id=path, process_group=group)
+    set_state_dict(model, opt, model_state_dict=target["model"],
+                   optim_state_dict=target["optim"])
+    M.assert_close(full_values(saved(model, opt)), expected, rtol=0, what=what)
+
+
+def assert_loads_in_one_process(path: str, expected: dict[str, np.ndarray], what: str) -> None:
+    """A plain module loads the checkpoint with no communication and gets its values."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = M.make_mlp(seed=5).state_dict()
+    dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
+    M.assert_close({f"model.{k}": v.numpy() for k, v in sd.items()},
+                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
+                   what=what)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_dcp_reshards_to_another_mesh_world_size_and_one_process(world, shared_dir):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     rank, n = world
-    model = sharded_mlp(init_device_mesh("cpu", (n,)))
-    opt = train(model)
-    state = saved(model, opt)
-    expected = full_values(state)
+    _, state, expected = trained_fsdp(n)
     dcp.save(state, checkpoint_id=shared_dir)
 
     # another mesh: replicate x shard (HSDP) over the same ranks
     shape = (2, n // 2) if n % 2 == 0 else (1, n)
-    other = sharded_mlp(init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard")))
-    other_opt = train(other, steps=1)  # so that the optimizer has state to overwrite
-    target = saved(other, other_opt)
-    dcp.load(target, checkpoint_id=shared_dir)
-    set_state_dict(other, other_opt, model_state_dict=target["model"],
-                   optim_state_dict=target["optim"])
-    got = full_values(saved(other, other_opt))
-    M.assert_close(got, expected, rtol=0, what="other mesh")
-
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
+    assert_loads(sharded_mlp(mesh), shared_dir, expected, "other mesh")
     # another world size: the first n-1 ranks
     sub = dist.new_group(list(range(n - 1)))
     if rank < n - 1:
-        small = sharded_mlp(DeviceMesh.from_group(sub, "cpu"))
-        small_opt = train(small, steps=1)
-        target = saved(small, small_opt)
-        dcp.load(target, checkpoint_id=shared_dir, process_group=sub)
-        set_state_dict(small, small_opt, model_state_dict=target["model"],
-                       optim_state_dict=target["optim"])
-        got = full_values(saved(small, small_opt))
-        M.assert_close(got, expected, rtol=0, what=f"{n - 1} ranks")
+        model = sharded_mlp(DeviceMesh.from_group(sub, "cpu"))
+        assert_loads(model, shared_dir, expected, f"{n - 1} ranks", group=sub)
     dist.barrier()
-
-    # one process, no communication: a plain module
-    plain = M.make_mlp(seed=5)
-    sd = plain.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=shared_dir, no_dist=True)
-    M.assert_close({f"model.{k}": v.numpy() for k, v in sd.items()},
-                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
-                   what="one process")
+    assert_loads_in_one_process(shared_dir, expected, "one process")
 
 
 @pytest.mark.mpi(min_size=2)
 def test_async_save_while_the_main_thread_communicates(world, shared_dir):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
 
     rank, n = world
-    model = sharded_mlp(init_device_mesh("cpu", (n,)))
-    opt = train(model)
-    state = saved(model, opt)
-    expected = full_values(state)
+    model, state, expected = trained_fsdp(n)
     future = dcp.async_save(state, checkpoint_id=shared_dir)
     # Training goes on: collectives on the same group from the main thread while the save
     # thread runs its own (they travel on the group's second communicator).
@@ -148,9 +156,4 @@ def test_async_save_while_the_main_thread_communicates(world, shared_dir):
     train(model, steps=1)
     future.result()
     dist.barrier()
-    plain = M.make_mlp(seed=5)
-    sd = plain.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=shared_dir, no_dist=True)
-    M.assert_close({f"model.{k}": v.numpy() for k, v in sd.items()},
-                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
-                   what="async_save")
+    assert_loads_in_one_process(shared_dir, expected, "async_save")
