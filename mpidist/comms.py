@@ -11,11 +11,16 @@ from typing import Any
 __all__ = ["in_place", "mpi", "size_rank", "world"]
 
 
+_MPI: list[Any] = []
+
+
 def mpi() -> Any:
     """The ``mpi4py.MPI`` module (imported on first use)."""
-    from mpi4py import MPI
+    if not _MPI:
+        from mpi4py import MPI
 
-    return MPI
+        _MPI.append(MPI)
+    return _MPI[0]
 
 
 def in_place() -> Any:

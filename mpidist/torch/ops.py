@@ -26,8 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -214,9 +213,20 @@ class Reduction:
             write_back(out, wire)
 
 
+_REDUCTIONS: dict[tuple[Any, torch.dtype], Reduction] = {}
+
+
 def reduction(op: Any, dtype: torch.dtype, what: str) -> Reduction:
-    """:class:`Reduction` of ``op`` on ``dtype``; ValueError naming both if unsupported."""
-    return Reduction(op, dtype, what)
+    """:class:`Reduction` of ``op`` on ``dtype``; ValueError naming both if unsupported.
+    (Made once per op and dtype, except PREMUL_SUM, whose factor varies.)"""
+    kind = getattr(op, "op", op)
+    cached = _REDUCTIONS.get((kind, dtype))
+    if cached is not None:
+        return cached
+    made = Reduction(op, dtype, what)
+    if kind != RedOpType.PREMUL_SUM:
+        _REDUCTIONS[(kind, dtype)] = made
+    return made
 
 
 # -- watchdog -------------------------------------------------------------------------------
@@ -225,11 +235,11 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._active: dict[int, tuple[float, float, str, int]] = {}
+        self._active: dict[int, tuple[float, float, Any, int]] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
 
-    def start(self, deadline: float, what: str) -> int:
+    def start(self, deadline: float, what: str | Callable[[], str]) -> int:
         with self._lock:
             self._next += 1
             token = self._next
@@ -252,6 +262,7 @@ class _Watchdog:
                 late = [(s, w, t) for s, d, w, t in self._active.values() if now > d]
             if late:
                 started, what, thread = late[0]
+                what = what() if callable(what) else what
                 frame = sys._current_frames().get(thread)
                 where = "".join(traceback.format_stack(frame)[-12:]) if frame else ""
                 _abort(f"{what} has not completed after {now - started:.0f} s, past its "
@@ -272,14 +283,22 @@ def _abort(message: str) -> None:
     world.Abort(1)
 
 
-@contextmanager
-def watch(what: str, timeout: timedelta) -> Iterator[None]:
-    """Register an operation with the watchdog for its duration (see the module docstring)."""
-    token = _WATCHDOG.start(time.monotonic() + max(timeout.total_seconds(), 0.001), what)
-    try:
-        yield
-    finally:
-        _WATCHDOG.stop(token)
+class watch:  # noqa: N801 - used as a statement: ``with watch(...):``
+    """Register an operation with the watchdog for its duration (see the module docstring).
+    ``what`` names it, or is a function that does (called only if it times out)."""
+
+    __slots__ = ("_deadline", "_token", "_what")
+
+    def __init__(self, what: str | Callable[[], str], timeout: timedelta) -> None:
+        self._what = what
+        self._deadline = max(timeout.total_seconds(), 0.001)
+        self._token = 0
+
+    def __enter__(self) -> None:
+        self._token = _WATCHDOG.start(time.monotonic() + self._deadline, self._what)
+
+    def __exit__(self, *exc: Any) -> None:
+        _WATCHDOG.stop(self._token)
 
 
 _ABANDONED: list[Any] = []  # requests left behind by a timeout: MPI may still use them

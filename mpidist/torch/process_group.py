@@ -13,7 +13,7 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -88,6 +88,47 @@ def _parse_config(text: str) -> dict[str, str]:
     return out
 
 
+class _Call:
+    """One operation's stay in MPI (see :meth:`ProcessGroupMPI._on`)."""
+
+    __slots__ = ("_extra", "_group", "_guard", "_lock", "_tensors", "_what")
+
+    def __init__(self, group: ProcessGroupMPI, what: str, tensors: tuple, extra: Any) -> None:
+        self._group, self._what, self._tensors, self._extra = group, what, tensors, extra
+        self._lock: Any = None
+        self._guard: Any = None
+
+    def _label(self) -> str:
+        g = self._group
+        return f"{self._what} on group {g._name or '?'} ({g._n} ranks)"
+
+    def __enter__(self) -> Any:
+        g = self._group
+        if g._comm is None:
+            raise RuntimeError(f"{self._what}: process group {g._name!r} was destroyed")
+        if threading.get_ident() == g._owner:
+            comm = g._comm
+        else:
+            comm, self._lock = g._side, g._side_lock
+            self._lock.acquire()
+        try:
+            if C.debug_enabled():
+                shapes = " ".join(_describe(t) for t in self._tensors)
+                C.check_signature(comm, f"{self._what} {self._extra} {shapes}")
+            self._guard = ops.watch(self._label, g._timeout)
+            self._guard.__enter__()
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+        return comm
+
+    def __exit__(self, *exc: Any) -> None:
+        self._guard.__exit__(*exc)
+        if self._lock is not None:
+            self._lock.release()
+
+
 class ProcessGroupMPI(dist.ProcessGroup):
     """A torch ProcessGroup whose operations are MPI calls on its own communicators.
 
@@ -99,6 +140,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                  store: Any = None) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._comm, self._side, self._base = comm, side, base
+        self._n, self._r = comm.Get_size(), comm.Get_rank()
         self._owner = threading.get_ident()
         self._side_lock = threading.RLock()
         self._timeout = timeout
@@ -170,21 +212,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self.shutdown()
 
     # -- plumbing ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _on(self, what: str, signature: str = "") -> Iterator[Any]:
-        """The communicator to use from this thread, with the debug check and watchdog."""
-        if self._comm is None:
-            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
-        if threading.get_ident() == self._owner:
-            comm, lock = self._comm, contextlib.nullcontext()
-        else:
-            comm, lock = self._side, self._side_lock
-        with lock:
-            if C.debug_enabled():
-                C.check_signature(comm, f"{what} {signature}")
-            label = f"{what} on group {self._name or '?'} ({self.size()} ranks)"
-            with ops.watch(label, self._timeout):
-                yield comm
+    def _on(self, what: str, *tensors: torch.Tensor, extra: Any = "") -> _Call:
+        """``with self._on(...) as comm``: the communicator to use from this thread, after
+        the debug check (``what``, ``extra``, the tensors' dtypes and shapes), under the
+        watchdog."""
+        return _Call(self, what, tensors, extra)
 
     def _work(self, work: Work) -> Work:
         if self._coalescing is not None:
@@ -240,7 +272,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         local = t.detach().coalesce().to("cpu")
         indices = local.indices().t().contiguous()
         values = local.values().contiguous()
-        with self._on("all_reduce (sparse)", f"{t.dtype} {list(t.shape)}") as comm:
+        with self._on("all_reduce (sparse)", t) as comm:
             counts = comm.allgather(indices.shape[0])
             all_indices = torch.empty((sum(counts), indices.shape[1]), dtype=indices.dtype)
             comm.Allgatherv(spec(indices), counts_spec(all_indices, [c * indices.shape[1]
@@ -267,10 +299,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
             wire = red.prepare(tensors[0])
         else:
             wire = torch.cat([red.prepare(t).reshape(-1) for t in tensors])
-        if self.size() > 1:
-            with self._on(what, f"{red.name} {[_describe(t) for t in tensors]}") as comm:
+        if self._n > 1:
+            with self._on(what, *tensors, extra=red.name) as comm:
                 comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
-        red.finish(wire, self.size())
+        red.finish(wire, self._n)
         if len(tensors) == 1:
             write_back(tensors[0], wire)
         else:
@@ -285,14 +317,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         root = self._check_root(opts.rootRank, "reduce")
         red = reduction(opts.reduceOp, t.dtype, "reduce")
         wire = red.prepare(t)
-        if self.size() > 1:
-            with self._on("reduce", f"{red.name} root={root} {_describe(t)}") as comm:
-                if self.rank() == root:
+        if self._n > 1:
+            with self._on("reduce", t, extra=(red.name, root)) as comm:
+                if self._r == root:
                     comm.Reduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op, root)
                 else:
                     comm.Reduce(spec(wire, red.datatype), None, red.mpi_op, root)
-        if self.rank() == root:
-            red.finish(wire, self.size(), out=t)
+        if self._r == root:
+            red.finish(wire, self._n, out=t)
         return self._done([t])
 
     @_mixed("reduce_scatter", (0, 0), c10d.ReduceScatterOptions, 2)
@@ -300,7 +332,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                        opts: Any = None) -> Work:
         opts = opts or c10d.ReduceScatterOptions()
         out, ins = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")
-        n, r = self.size(), self.rank()
+        n, r = self._n, self._r
         if len(ins) != n:
             raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
         _same_dtype("reduce_scatter", out.dtype, ins)
@@ -311,7 +343,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts = [t.numel() for t in ins]
         wire_in = torch.cat([red.prepare(t).reshape(-1) for t in ins])
         wire_out = torch.empty(out.shape, dtype=red.wire)
-        with self._on("reduce_scatter", f"{red.name} {counts} {_describe(out)}") as comm:
+        with self._on("reduce_scatter", out, extra=(red.name, counts)) as comm:
             comm.Reduce_scatter(spec(wire_in, red.datatype), spec(wire_out, red.datatype),
                                 counts, red.mpi_op)
         red.finish(wire_out, n, out=out)
@@ -321,7 +353,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> Work:
         opts = opts or c10d.ReduceScatterOptions()
-        n = self.size()
+        n = self._n
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; "
                              f"need {n} x {output.numel()} (the output) for a group of {n}")
@@ -333,7 +365,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if n == 1:
             wire_out.copy_(wire_in.reshape(wire_out.shape))
         else:
-            with self._on("reduce_scatter_tensor", f"{red.name} {_describe(input)}") as comm:
+            with self._on("reduce_scatter_tensor", input, extra=red.name) as comm:
                 comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
                                           spec(wire_out, red.datatype), red.mpi_op)
         red.finish(wire_out, n, out=output)
@@ -359,11 +391,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         opts = opts or c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
-        if self.size() > 1:
-            buf = as_host(t) if self.rank() == root else scratch(t)
-            with self._on("broadcast", f"root={root} {_describe(t)}") as comm:
+        if self._n > 1:
+            buf = as_host(t) if self._r == root else scratch(t)
+            with self._on("broadcast", t, extra=root) as comm:
                 comm.Bcast(spec(buf), root)
-            if self.rank() != root:
+            if self._r != root:
                 write_back(t, buf)
         return self._done([t])
 
@@ -375,14 +407,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts = [o.numel() for o in outs]
         src = as_host(t)
         buf = torch.empty(sum(counts), dtype=t.dtype)
-        with self._on("all_gather", _describe(t)) as comm:
+        with self._on("all_gather", t) as comm:
             comm.Allgatherv(spec(src), counts_spec(buf, counts))
         for o, piece in zip(outs, buf.split(counts), strict=True):
             write_back(o, piece)
         return self._done(list(outs))
 
     def _gather_lists(self, what: str, t: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        n, r = self.size(), self.rank()
+        n, r = self._n, self._r
         if len(outs) != n:
             raise ValueError(f"{what}: {len(outs)} output tensors for a group of {n}")
         _same_dtype(what, t.dtype, outs)
@@ -393,8 +425,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Work:
         # outputs[r][i] receives rank r's inputs[i]
-        if len(outputs) != self.size() or any(len(o) != len(inputs) for o in outputs):
-            raise ValueError(f"all_gather_coalesced: need {self.size()} output lists (one per "
+        if len(outputs) != self._n or any(len(o) != len(inputs) for o in outputs):
+            raise ValueError(f"all_gather_coalesced: need {self._n} output lists (one per "
                              f"rank) of {len(inputs)} tensors (one per input)")
         works = [self.allgather([[o[i] for o in outputs]], [t], opts)
                  for i, t in enumerate(inputs)]
@@ -403,7 +435,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @_mixed("_allgather_base", (0,), c10d.AllgatherOptions, 2)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Work:
-        n, r = self.size(), self.rank()
+        n, r = self._n, self._r
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; "
                              f"need {n} x {input.numel()} (the input) for a group of {n}")
@@ -418,7 +450,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if not in_place:
                 out.copy_(src.reshape(out.shape))
         else:
-            with self._on("all_gather_into_tensor", _describe(input)) as comm:
+            with self._on("all_gather_into_tensor", input) as comm:
                 if in_place:
                     comm.Allgather(mpi().IN_PLACE, spec(out, parts=n))
                 else:
@@ -441,20 +473,20 @@ class ProcessGroupMPI(dist.ProcessGroup):
         t = _one(inputs, "gather")
         root = self._check_root(opts.rootRank, "gather")
         src = as_host(t)
-        if self.rank() == root:
+        if self._r == root:
             outs = _one(outputs, "gather")
             self._gather_lists("gather", t, outs)
             counts = [o.numel() for o in outs]
             buf = torch.empty(sum(counts), dtype=t.dtype)
-            with self._on("gather", f"root={root} {_describe(t)}") as comm:
+            with self._on("gather", t, extra=root) as comm:
                 comm.Gatherv(spec(src), counts_spec(buf, counts), root)
             for o, piece in zip(outs, buf.split(counts), strict=True):
                 write_back(o, piece)
             return self._done(list(outs))
         if outputs and any(len(o) for o in outputs):
-            raise ValueError(f"gather: rank {self.rank()} is not the root ({root}) and must "
+            raise ValueError(f"gather: rank {self._r} is not the root ({root}) and must "
                              "pass no output list")
-        with self._on("gather", f"root={root} {_describe(t)}") as comm:
+        with self._on("gather", t, extra=root) as comm:
             comm.Gatherv(spec(src), None, root)
         return self._done([])
 
@@ -465,18 +497,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
         out = _one(outputs, "scatter")
         root = self._check_root(opts.rootRank, "scatter")
         buf = scratch(out)
-        if self.rank() == root:
+        if self._r == root:
             ins = _one(inputs, "scatter")
             self._gather_lists("scatter", out, ins)
             counts = [t.numel() for t in ins]
             send = torch.cat([as_host(t).reshape(-1) for t in ins]) if ins else buf
-            with self._on("scatter", f"root={root} {_describe(out)}") as comm:
+            with self._on("scatter", out, extra=root) as comm:
                 comm.Scatterv(counts_spec(send, counts), spec(buf), root)
         else:
             if inputs and any(len(i) for i in inputs):
-                raise ValueError(f"scatter: rank {self.rank()} is not the root ({root}) and "
+                raise ValueError(f"scatter: rank {self._r} is not the root ({root}) and "
                                  "must pass no input list")
-            with self._on("scatter", f"root={root} {_describe(out)}") as comm:
+            with self._on("scatter", out, extra=root) as comm:
                 comm.Scatterv(None, spec(buf), root)
         write_back(out, buf)
         return self._done([out])
@@ -484,7 +516,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @_mixed("alltoall", (1, 0), c10d.AllToAllOptions, 2)
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> Work:
-        n = self.size()
+        n = self._n
         if len(inputs) != n or len(outputs) != n:
             raise ValueError(f"all_to_all: {len(inputs)} inputs and {len(outputs)} outputs "
                              f"for a group of {n}")
@@ -493,7 +525,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         recv_counts = [t.numel() for t in outputs]
         send = torch.cat([as_host(t).reshape(-1) for t in inputs])
         recv = torch.empty(sum(recv_counts), dtype=inputs[0].dtype)
-        with self._on("all_to_all", str(inputs[0].dtype)) as comm:
+        with self._on("all_to_all", extra=inputs[0].dtype) as comm:
             comm.Alltoallv(counts_spec(send, send_counts), counts_spec(recv, recv_counts))
         for o, piece in zip(outputs, recv.split(recv_counts), strict=True):
             write_back(o, piece)
@@ -510,7 +542,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         dst = scratch(output)
         if ops.overlaps(src, dst):
             src = src.clone()
-        with self._on("all_to_all_single", str(input.dtype)) as comm:
+        with self._on("all_to_all_single", extra=input.dtype) as comm:
             comm.Alltoallv(counts_spec(src, send_counts), counts_spec(dst, recv_counts))
         write_back(output, dst)
         return self._done([output])
@@ -518,7 +550,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def _splits(self, what: str, t: torch.Tensor, sizes: Sequence[int]) -> list[int]:
-        n = self.size()
+        n = self._n
         rows = t.shape[0] if t.dim() else 1
         row = t.numel() // rows if rows else 0
         if not sizes:
@@ -550,7 +582,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         every other rank and raises RuntimeError naming the first rank that did not arrive
         (every such rank with ``wait_all_ranks``); the others wait for rank 0's release."""
         limit = (self._timeout if timeout is None else timeout).total_seconds()
-        rank, n = self.rank(), self.size()
+        rank, n = self._r, self._n
         if self._comm is None:
             raise RuntimeError(f"monitored_barrier: process group {self._name!r} was destroyed")
         tag = _MONITOR_TAG
@@ -578,14 +610,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._comm.Send(spec(token), r, tag)
 
     def _check_root(self, root: int, what: str) -> int:
-        if not 0 <= root < self.size():
-            raise ValueError(f"{what}: root {root} is outside a group of {self.size()}")
+        if not 0 <= root < self._n:
+            raise ValueError(f"{what}: root {root} is outside a group of {self._n}")
         return root
 
     # -- point to point ------------------------------------------------------------------
     def _peer(self, peer: int, what: str, tag: int) -> None:
-        if not 0 <= peer < self.size():
-            raise ValueError(f"{what}: rank {peer} is outside a group of {self.size()}")
+        if not 0 <= peer < self._n:
+            raise ValueError(f"{what}: rank {peer} is outside a group of {self._n}")
         if tag < 0:
             raise ValueError(f"{what}: tag={tag} must be >= 0 for MPI")
         if self._comm is None:
