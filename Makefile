@@ -177,6 +177,7 @@ bench: warm
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/compression.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
+	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/torch_backend.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
