@@ -197,9 +197,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Free the group's communicators (torch calls it in ``destroy_process_group``)."""
+        finalized = mpi().Is_finalized()
         for attr in ("_side", "_comm"):
             comm = getattr(self, attr)
-            if comm is not None and comm != mpi().COMM_NULL:
+            if comm is not None and comm != mpi().COMM_NULL and not finalized:
                 comm.Free()
             setattr(self, attr, None)
         for other in self._others.values():
