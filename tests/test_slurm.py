@@ -354,3 +354,18 @@ def test_torch_backend_under_srun(slurm, workdir: Path) -> None:
     assert "pmix-rc=0" in text
     assert "srun started 3 tasks but each is an MPI world of 1" in text
     assert "srun --mpi=pmix" in text
+
+
+@pytest.mark.timeout(600)
+def test_torch_fsdp_tp_job(slurm, workdir: Path) -> None:
+    """jobs/torch-fsdp-tp.sbatch: torch's FSDP2 + TP under srun on the mpidist backend, then
+    a resume with FSDP2 alone from the DCP checkpoint."""
+    pytest.importorskip("torch")
+    job = _sbatch(workdir, "torch-fsdp-tp.sbatch", MPIDIST_OUT="runs/torch",
+                  MPIDIST_TORCH_ARGS="--steps 4 --checkpoint-interval 2",
+                  MPIDIST_RESUME_STEPS="2", PYTHONWARNINGS="ignore")
+    text = _assert_ok(_wait(job))
+    assert "step     4  loss" in text and "saved runs/torch/step-00000004" in text
+    assert "resumed at step 4 from runs/torch on 4 rank(s), fsdp" in text
+    assert "saved runs/torch/step-00000006" in text
+    assert (workdir / "runs/torch/latest").read_text().strip() == "6"
