@@ -22,6 +22,7 @@ instead, for the operation it waits on.
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from mpidist.comms import mpi
 
 __all__ = [
+    "CommThread",
     "Reduction",
     "Work",
     "as_host",
@@ -121,11 +123,11 @@ def write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _memory(t: torch.Tensor) -> Any:
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
+    # A NumPy view of the bytes keeps the tensor alive for as long as MPI holds the buffer
+    # (a raw address would not).
+    if t.numel() == 0:
         return bytearray(0)
-    MPI = mpi()
-    return (getattr(MPI, "buffer", None) or MPI.memory).fromaddress(t.data_ptr(), nbytes)
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def spec(t: torch.Tensor, datatype: Any = None, parts: int = 1) -> list[Any]:
@@ -338,7 +340,8 @@ class Work(dist.Work):
 
     def __init__(self, result: list[torch.Tensor], requests: Sequence[Any] = (),
                  finish: Callable[[], None] | None = None, keep: tuple = (),
-                 what: str = "", timeout: timedelta = timedelta(minutes=30)) -> None:
+                 what: str = "", timeout: timedelta = timedelta(minutes=30),
+                 pending: bool = False) -> None:
         super().__init__()
         self._result = result
         self._requests = list(requests)
@@ -348,10 +351,28 @@ class Work(dist.Work):
         self._timeout = timeout
         self._status: Any = None
         self._source = -1
-        self._done = not self._requests
         self._future: torch.futures.Future | None = None
+        # pending: run by a communication thread, which calls _ran() when done
+        self._event = threading.Event() if pending else None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = not self._requests and not pending
         if self._done:
             self._complete()
+
+    def _ran(self, error: BaseException | None = None) -> None:
+        """The communication thread has run the operation (or failed with ``error``)."""
+        with self._lock:
+            self._error = error
+            self._done = True
+            future = self._future
+        if future is not None and not future.done():
+            if error is None:
+                future.set_result(self._result)
+            else:
+                future.set_exception(error)
+        assert self._event is not None
+        self._event.set()
 
     def _complete(self) -> None:
         self._done = True
@@ -367,9 +388,15 @@ class Work(dist.Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Complete the operation. With a positive ``timeout``: RuntimeError when it has not
         completed by then (the operation stays pending)."""
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if self._event is not None:
+            if not self._event.wait(seconds if seconds > 0 else None):
+                raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
+            if self._error is not None:
+                raise self._error
+            return True
         if self._done:
             return True
-        seconds = timeout.total_seconds() if timeout is not None else 0.0
         if seconds > 0:
             deadline = time.monotonic() + seconds
             while not self._test():
@@ -398,15 +425,18 @@ class Work(dist.Work):
 
     def is_completed(self) -> bool:
         """Whether the operation has completed (drives MPI progress). Not collective."""
+        if self._event is not None:
+            return self._event.is_set()
         return self._done or self._test()
 
     def is_success(self) -> bool:
         """Whether the operation completed without error."""
-        return self.is_completed()
+        return self.is_completed() and self._error is None
 
     def exception(self) -> Any:
-        """None: a failed MPI operation ends the job instead."""
-        return None
+        """The exception the operation ended with, if any (a failed MPI call ends the job
+        instead)."""
+        return self._error
 
     def synchronize(self) -> None:
         """Same as :meth:`wait`."""
@@ -420,13 +450,20 @@ class Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors. A pending operation is completed
         first, so waiting on the future (also from C++) never blocks forever."""
-        if self._future is None:
-            self._future = torch.futures.Future()
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+            future, running = self._future, self._event is not None and not self._done
+        if running:  # the communication thread completes it
+            return future
         if not self._done:
             self.wait()
-        if not self._future.done():
-            self._future.set_result(self._result)
-        return self._future
+        if not future.done():
+            if self._error is None:
+                future.set_result(self._result)
+            else:
+                future.set_exception(self._error)
+        return future
 
     def source_rank(self) -> int:
         """The rank (in the group) a receive from any source got its message from."""
@@ -435,6 +472,52 @@ class Work(dist.Work):
 
     def _source_rank(self) -> int:
         return self.source_rank()
+
+
+class CommThread:
+    """Runs one group's MPI calls on a thread of its own, in the order they were issued, so
+    that they progress while the issuing thread computes (mpi4py releases the GIL inside MPI
+    calls). ``submit`` queues a job and its pending Work; ``drain`` waits for the queue."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], work: Work) -> None:
+        """Queue ``job``; ``work._ran()`` is called when it has run."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put((job, work))
+
+    def drain(self) -> None:
+        """Wait until every queued job has run."""
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, work = item
+            try:
+                job()
+            except BaseException as exc:  # handed to whoever waits on the work
+                work._ran(exc)
+            else:
+                work._ran()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
 
 def done(result: list[torch.Tensor]) -> Work:

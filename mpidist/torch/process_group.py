@@ -9,7 +9,6 @@ an options object. Every check that could fail runs before anything is communica
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 import weakref
@@ -24,6 +23,8 @@ from torch._C import _distributed_c10d as c10d  # the options classes torch pass
 from mpidist import collectives as C
 from mpidist.comms import mpi
 from mpidist.torch import ops
+from mpidist.torch._common import overlap
+from mpidist.torch.mixed import handoff, make_backend, parse_config
 from mpidist.torch.ops import Work, as_host, counts_spec, reduction, scratch, spec, write_back
 
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators"]
@@ -55,48 +56,18 @@ def _same_dtype(what: str, dtype: torch.dtype, tensors: Sequence[torch.Tensor]) 
             raise ValueError(f"{what}: tensors of {dtype} and {t.dtype} mixed in one call")
 
 
-def _mixed(name: str, where: tuple[int, ...], options: Any = None,
-           at: int | None = None) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
-    """In a mixed group, hand the call to the backend that serves the device of the tensor
-    at ``args[where[0]][where[1]]``, as its method ``name`` (with default ``options`` at
-    argument ``at`` when the caller gave none); otherwise run the decorated method."""
-    def wrap(method: Callable[..., Work]) -> Callable[..., Work]:
-        @functools.wraps(method)
-        def run(self: ProcessGroupMPI, *args: Any) -> Any:
-            t: Any = args
-            for i in where:
-                t = t[i] if len(t) > i else None
-                if t is None:
-                    break
-            other = self._other(t) if isinstance(t, torch.Tensor) else None
-            if other is None:
-                return method(self, *args)
-            if options is not None and at is not None and (len(args) <= at or
-                                                           args[at] is None):
-                args = (*args[:at], options())
-            return getattr(other, name)(*args)
-        return run
-    return wrap
-
-
-def _parse_config(text: str) -> dict[str, str]:
-    out = {}
-    for part in text.split(","):
-        if ":" in part:
-            device, name = part.split(":", 1)
-            out[device.strip()] = name.strip().lower()
-    return out
-
-
 class _Call:
     """One operation's stay in MPI (see :meth:`ProcessGroupMPI._on`)."""
 
-    __slots__ = ("_extra", "_group", "_guard", "_lock", "_tensors", "_what")
+    __slots__ = ("_extra", "_group", "_guard", "_lock", "_tensors", "_what", "side")
 
     def __init__(self, group: ProcessGroupMPI, what: str, tensors: tuple, extra: Any) -> None:
         self._group, self._what, self._tensors, self._extra = group, what, tensors, extra
         self._lock: Any = None
         self._guard: Any = None
+        # Which communicator is decided by the thread that issues the call (the group's
+        # communication thread runs calls issued by the thread that made the group).
+        self.side = threading.get_ident() != group._owner
 
     def _label(self) -> str:
         g = self._group
@@ -106,7 +77,7 @@ class _Call:
         g = self._group
         if g._comm is None:
             raise RuntimeError(f"{self._what}: process group {g._name!r} was destroyed")
-        if threading.get_ident() == g._owner:
+        if not self.side:
             comm = g._comm
         else:
             comm, self._lock = g._side, g._side_lock
@@ -127,6 +98,11 @@ class _Call:
         self._guard.__exit__(*exc)
         if self._lock is not None:
             self._lock.release()
+
+
+def _execute(call: _Call, body: Callable[[Any], None]) -> None:
+    with call as comm:
+        body(comm)
 
 
 class ProcessGroupMPI(dist.ProcessGroup):
@@ -150,6 +126,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._coalescing: list[Work] | None = None
         self._config: dict[str, str] | None = None
         self._others: dict[str, Any] = {}
+        self._overlap = overlap()
+        self._thread: ops.CommThread | None = None
         _GROUPS.add(self)
 
     # -- identity ------------------------------------------------------------------------
@@ -197,6 +175,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Free the group's communicators (torch calls it in ``destroy_process_group``)."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
         finalized = mpi().Is_finalized()
         for attr in ("_side", "_comm"):
             comm = getattr(self, attr)
@@ -227,6 +208,27 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def _done(self, result: list[torch.Tensor]) -> Work:
         return self._work(Work(result))
 
+    def _run(self, call: _Call, body: Callable[[Any], None], result: list[torch.Tensor],
+             opts: Any) -> Work:
+        """Run an operation's MPI call and what follows it (``body(comm)``): now, on this
+        thread; or, for an asynchronous call (``opts.asyncOp``) with overlap on, on the
+        group's communication thread, in the order the calls were issued."""
+        if not call.side and self._overlap and getattr(opts, "asyncOp", False):
+            if self._thread is None:
+                self._thread = ops.CommThread(f"mpidist-comm-{self._name or '?'}")
+            work = Work(result, pending=True, what=call._what, timeout=self._timeout)
+            self._thread.submit(lambda: _execute(call, body), work)
+            return self._work(work)
+        if not call.side:
+            self._drain()
+        _execute(call, body)
+        return self._done(result)
+
+    def _drain(self) -> None:
+        """Wait until the communication thread has run every call issued before."""
+        if self._thread is not None:
+            self._thread.drain()
+
     def _other(self, t: Any) -> Any:
         """The backend of another kind serving ``t``'s device in a mixed group, or None."""
         return self.backend_for(t.device.type if isinstance(t, torch.Tensor) else "cpu")
@@ -237,14 +239,15 @@ class ProcessGroupMPI(dist.ProcessGroup):
         created on first use (collective over the group); None where mpidist runs them."""
         if self._config is None:
             try:
-                self._config = _parse_config(dist.get_backend_config(self))
+                self._config = parse_config(dist.get_backend_config(self))
             except Exception:  # not registered with torch (yet): ours alone
                 return None
         name = self._config.get(device, BACKEND)
         if name == BACKEND:
             return None
         if device not in self._others:
-            self._others[device] = _make_backend(name, device, self)
+            self._others[device] = make_backend(name, device, self._store, self._r, self._n,
+                                                self._timeout, self._name)
         return self._others[device]
 
     def _start_coalescing(self, device: Any = None) -> None:
@@ -256,13 +259,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return ops.CoalescedWork(works, result)
 
     # -- reductions ----------------------------------------------------------------------
-    @_mixed("allreduce", (0, 0), c10d.AllreduceOptions, 1)
+    @handoff("allreduce", (0, 0), c10d.AllreduceOptions, 1)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         t = _one(tensors, "all_reduce")
         op = (opts or c10d.AllreduceOptions()).reduceOp
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, op)
-        return self._allreduce_flat([t], op, "all_reduce")
+        return self._allreduce_flat([t], op, "all_reduce", opts)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: Any) -> Work:
         """SUM of sparse COO tensors: every rank's indices and values gathered, then
@@ -270,6 +273,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if getattr(op, "op", op) != dist.ReduceOp.SUM:
             raise ValueError("all_reduce of a sparse tensor: the mpidist backend sums "
                              f"(ReduceOp.SUM) only; got {getattr(op, 'op', op)}")
+        self._drain()
         local = t.detach().coalesce().to("cpu")
         indices = local.indices().t().contiguous()
         values = local.values().contiguous()
@@ -286,49 +290,52 @@ class ProcessGroupMPI(dist.ProcessGroup):
             t.copy_(total.to(t.device))
         return self._done([t])
 
-    @_mixed("allreduce_coalesced", (0, 0), c10d.AllreduceCoalescedOptions, 1)
+    @handoff("allreduce_coalesced", (0, 0), c10d.AllreduceCoalescedOptions, 1)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         if not tensors:
             return self._done([])
         op = (opts or c10d.AllreduceCoalescedOptions()).reduceOp
         _same_dtype("all_reduce_coalesced", tensors[0].dtype, tensors)
-        return self._allreduce_flat(list(tensors), op, "all_reduce_coalesced")
+        return self._allreduce_flat(list(tensors), op, "all_reduce_coalesced", opts)
 
-    def _allreduce_flat(self, tensors: list[torch.Tensor], op: Any, what: str) -> Work:
+    def _allreduce_flat(self, tensors: list[torch.Tensor], op: Any, what: str,
+                        opts: Any) -> Work:
         red = reduction(op, tensors[0].dtype, what)
         if len(tensors) == 1:
             wire = red.prepare(tensors[0])
         else:
             wire = torch.cat([red.prepare(t).reshape(-1) for t in tensors])
-        if self._n > 1:
-            with self._on(what, *tensors, extra=red.name) as comm:
-                comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
-        red.finish(wire, self._n)
-        if len(tensors) == 1:
-            write_back(tensors[0], wire)
-        else:
-            for t, piece in zip(tensors, wire.split([t.numel() for t in tensors]), strict=True):
-                write_back(t, piece)
-        return self._done(tensors)
 
-    @_mixed("reduce", (0, 0), c10d.ReduceOptions, 1)
+        def body(comm: Any) -> None:
+            comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
+            red.finish(wire, self._n)
+            if len(tensors) == 1:
+                write_back(tensors[0], wire)
+            else:
+                sizes = [t.numel() for t in tensors]
+                for t, piece in zip(tensors, wire.split(sizes), strict=True):
+                    write_back(t, piece)
+
+        return self._run(self._on(what, *tensors, extra=red.name), body, tensors, opts)
+
+    @handoff("reduce", (0, 0), c10d.ReduceOptions, 1)
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or c10d.ReduceOptions()
         t = _one(tensors, "reduce")
         root = self._check_root(opts.rootRank, "reduce")
         red = reduction(opts.reduceOp, t.dtype, "reduce")
         wire = red.prepare(t)
-        if self._n > 1:
-            with self._on("reduce", t, extra=(red.name, root)) as comm:
-                if self._r == root:
-                    comm.Reduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op, root)
-                else:
-                    comm.Reduce(spec(wire, red.datatype), None, red.mpi_op, root)
-        if self._r == root:
-            red.finish(wire, self._n, out=t)
-        return self._done([t])
 
-    @_mixed("reduce_scatter", (0, 0), c10d.ReduceScatterOptions, 2)
+        def body(comm: Any) -> None:
+            if self._r == root:
+                comm.Reduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op, root)
+                red.finish(wire, self._n, out=t)
+            else:
+                comm.Reduce(spec(wire, red.datatype), None, red.mpi_op, root)
+
+        return self._run(self._on("reduce", t, extra=(red.name, root)), body, [t], opts)
+
+    @handoff("reduce_scatter", (0, 0), c10d.ReduceScatterOptions, 2)
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> Work:
         opts = opts or c10d.ReduceScatterOptions()
@@ -344,13 +351,16 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts = [t.numel() for t in ins]
         wire_in = torch.cat([red.prepare(t).reshape(-1) for t in ins])
         wire_out = torch.empty(out.shape, dtype=red.wire)
-        with self._on("reduce_scatter", out, extra=(red.name, counts)) as comm:
+
+        def body(comm: Any) -> None:
             comm.Reduce_scatter(spec(wire_in, red.datatype), spec(wire_out, red.datatype),
                                 counts, red.mpi_op)
-        red.finish(wire_out, n, out=out)
-        return self._done([out])
+            red.finish(wire_out, n, out=out)
 
-    @_mixed("_reduce_scatter_base", (0,), c10d.ReduceScatterOptions, 2)
+        call = self._on("reduce_scatter", out, extra=(red.name, counts))
+        return self._run(call, body, [out], opts)
+
+    @handoff("_reduce_scatter_base", (0,), c10d.ReduceScatterOptions, 2)
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> Work:
         opts = opts or c10d.ReduceScatterOptions()
@@ -363,14 +373,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         wire_in = red.prepare(input)
         direct = red.wire == output.dtype and not ops.overlaps(wire_in, output)
         wire_out = scratch(output) if direct else torch.empty(output.shape, dtype=red.wire)
-        if n == 1:
-            wire_out.copy_(wire_in.reshape(wire_out.shape))
-        else:
-            with self._on("reduce_scatter_tensor", input, extra=red.name) as comm:
-                comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
-                                          spec(wire_out, red.datatype), red.mpi_op)
-        red.finish(wire_out, n, out=output)
-        return self._done([output])
+
+        def body(comm: Any) -> None:
+            comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
+                                      spec(wire_out, red.datatype), red.mpi_op)
+            red.finish(wire_out, n, out=output)
+
+        call = self._on("reduce_scatter_tensor", input, extra=red.name)
+        return self._run(call, body, [output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -387,20 +397,21 @@ class ProcessGroupMPI(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement -------------------------------------------------------------------
-    @_mixed("broadcast", (0, 0), c10d.BroadcastOptions, 1)
+    @handoff("broadcast", (0, 0), c10d.BroadcastOptions, 1)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
-        if self._n > 1:
-            buf = as_host(t) if self._r == root else scratch(t)
-            with self._on("broadcast", t, extra=root) as comm:
-                comm.Bcast(spec(buf), root)
+        buf = as_host(t) if self._r == root else scratch(t)
+
+        def body(comm: Any) -> None:
+            comm.Bcast(spec(buf), root)
             if self._r != root:
                 write_back(t, buf)
-        return self._done([t])
 
-    @_mixed("allgather", (1, 0), c10d.AllgatherOptions, 2)
+        return self._run(self._on("broadcast", t, extra=root), body, [t], opts)
+
+    @handoff("allgather", (1, 0), c10d.AllgatherOptions, 2)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Work:
         t, outs = _one(inputs, "all_gather"), _one(outputs, "all_gather")
@@ -408,11 +419,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts = [o.numel() for o in outs]
         src = as_host(t)
         buf = torch.empty(sum(counts), dtype=t.dtype)
-        with self._on("all_gather", t) as comm:
+
+        def body(comm: Any) -> None:
             comm.Allgatherv(spec(src), counts_spec(buf, counts))
-        for o, piece in zip(outs, buf.split(counts), strict=True):
-            write_back(o, piece)
-        return self._done(list(outs))
+            for o, piece in zip(outs, buf.split(counts), strict=True):
+                write_back(o, piece)
+
+        return self._run(self._on("all_gather", t), body, list(outs), opts)
 
     def _gather_lists(self, what: str, t: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         n, r = self._n, self._r
@@ -433,7 +446,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                  for i, t in enumerate(inputs)]
         return ops.CoalescedWork(works, [t for o in outputs for t in o])
 
-    @_mixed("_allgather_base", (0,), c10d.AllgatherOptions, 2)
+    @handoff("_allgather_base", (0,), c10d.AllgatherOptions, 2)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Work:
         n, r = self._n, self._r
@@ -447,17 +460,15 @@ class ProcessGroupMPI(dist.ProcessGroup):
         in_place = src.data_ptr() == out.data_ptr() + r * k and src is input
         if not in_place and ops.overlaps(src, out):
             src = src.clone()
-        if n == 1:
-            if not in_place:
-                out.copy_(src.reshape(out.shape))
-        else:
-            with self._on("all_gather_into_tensor", input) as comm:
-                if in_place:
-                    comm.Allgather(mpi().IN_PLACE, spec(out, parts=n))
-                else:
-                    comm.Allgather(spec(src), spec(out, parts=n))
-        write_back(output, out)
-        return self._done([output])
+
+        def body(comm: Any) -> None:
+            if in_place:
+                comm.Allgather(mpi().IN_PLACE, spec(out, parts=n))
+            else:
+                comm.Allgather(spec(src), spec(out, parts=n))
+            write_back(output, out)
+
+        return self._run(self._on("all_gather_into_tensor", input), body, [output], opts)
 
     _allgather_base = all_gather_single
 
@@ -467,7 +478,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    @_mixed("gather", (1, 0), c10d.GatherOptions, 2)
+    @handoff("gather", (1, 0), c10d.GatherOptions, 2)
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> Work:
         opts = opts or c10d.GatherOptions()
@@ -479,19 +490,20 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._gather_lists("gather", t, outs)
             counts = [o.numel() for o in outs]
             buf = torch.empty(sum(counts), dtype=t.dtype)
-            with self._on("gather", t, extra=root) as comm:
+
+            def body(comm: Any) -> None:
                 comm.Gatherv(spec(src), counts_spec(buf, counts), root)
-            for o, piece in zip(outs, buf.split(counts), strict=True):
-                write_back(o, piece)
-            return self._done(list(outs))
+                for o, piece in zip(outs, buf.split(counts), strict=True):
+                    write_back(o, piece)
+
+            return self._run(self._on("gather", t, extra=root), body, list(outs), opts)
         if outputs and any(len(o) for o in outputs):
             raise ValueError(f"gather: rank {self._r} is not the root ({root}) and must "
                              "pass no output list")
-        with self._on("gather", t, extra=root) as comm:
-            comm.Gatherv(spec(src), None, root)
-        return self._done([])
+        return self._run(self._on("gather", t, extra=root),
+                         lambda comm: comm.Gatherv(spec(src), None, root), [], opts)
 
-    @_mixed("scatter", (0, 0), c10d.ScatterOptions, 2)
+    @handoff("scatter", (0, 0), c10d.ScatterOptions, 2)
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> Work:
         opts = opts or c10d.ScatterOptions()
@@ -502,19 +514,21 @@ class ProcessGroupMPI(dist.ProcessGroup):
             ins = _one(inputs, "scatter")
             self._gather_lists("scatter", out, ins)
             counts = [t.numel() for t in ins]
-            send = torch.cat([as_host(t).reshape(-1) for t in ins]) if ins else buf
-            with self._on("scatter", out, extra=root) as comm:
-                comm.Scatterv(counts_spec(send, counts), spec(buf), root)
+            send: torch.Tensor | None = torch.cat([as_host(t).reshape(-1) for t in ins])
+        elif inputs and any(len(i) for i in inputs):
+            raise ValueError(f"scatter: rank {self._r} is not the root ({root}) and "
+                             "must pass no input list")
         else:
-            if inputs and any(len(i) for i in inputs):
-                raise ValueError(f"scatter: rank {self._r} is not the root ({root}) and "
-                                 "must pass no input list")
-            with self._on("scatter", out, extra=root) as comm:
-                comm.Scatterv(None, spec(buf), root)
-        write_back(out, buf)
-        return self._done([out])
+            send, counts = None, []
 
-    @_mixed("alltoall", (1, 0), c10d.AllToAllOptions, 2)
+        def body(comm: Any) -> None:
+            # (the spec points at send's memory: send must stay referenced until here)
+            comm.Scatterv(None if send is None else counts_spec(send, counts), spec(buf), root)
+            write_back(out, buf)
+
+        return self._run(self._on("scatter", out, extra=root), body, [out], opts)
+
+    @handoff("alltoall", (1, 0), c10d.AllToAllOptions, 2)
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> Work:
         n = self._n
@@ -526,13 +540,16 @@ class ProcessGroupMPI(dist.ProcessGroup):
         recv_counts = [t.numel() for t in outputs]
         send = torch.cat([as_host(t).reshape(-1) for t in inputs])
         recv = torch.empty(sum(recv_counts), dtype=inputs[0].dtype)
-        with self._on("all_to_all", extra=inputs[0].dtype) as comm:
-            comm.Alltoallv(counts_spec(send, send_counts), counts_spec(recv, recv_counts))
-        for o, piece in zip(outputs, recv.split(recv_counts), strict=True):
-            write_back(o, piece)
-        return self._done(list(outputs))
 
-    @_mixed("alltoall_base", (1,), c10d.AllToAllOptions, 4)
+        def body(comm: Any) -> None:
+            comm.Alltoallv(counts_spec(send, send_counts), counts_spec(recv, recv_counts))
+            for o, piece in zip(outputs, recv.split(recv_counts), strict=True):
+                write_back(o, piece)
+
+        return self._run(self._on("all_to_all", extra=inputs[0].dtype), body, list(outputs),
+                         opts)
+
+    @handoff("alltoall_base", (1,), c10d.AllToAllOptions, 4)
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Work:
@@ -543,10 +560,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         dst = scratch(output)
         if ops.overlaps(src, dst):
             src = src.clone()
-        with self._on("all_to_all_single", extra=input.dtype) as comm:
+
+        def body(comm: Any) -> None:
             comm.Alltoallv(counts_spec(src, send_counts), counts_spec(dst, recv_counts))
-        write_back(output, dst)
-        return self._done([output])
+            write_back(output, dst)
+
+        return self._run(self._on("all_to_all_single", extra=input.dtype), body, [output],
+                         opts)
 
     alltoall_base = all_to_all_single
 
@@ -570,6 +590,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         timeout = self._timeout
         if opts is not None and opts.timeout.total_seconds() > 0:
             timeout = opts.timeout
+        self._drain()
         with self._on("barrier") as comm:
             req = comm.Ibarrier()
         if not ops.wait_until(req, timeout.total_seconds()):
@@ -586,6 +607,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         rank, n = self._r, self._n
         if self._comm is None:
             raise RuntimeError(f"monitored_barrier: process group {self._name!r} was destroyed")
+        self._drain()
         tag = _MONITOR_TAG
         token = torch.zeros(1, dtype=torch.uint8)
         if rank != 0:
@@ -624,7 +646,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if self._comm is None:
             raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
 
-    @_mixed("send", (0, 0))
+    @handoff("send", (0, 0))
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
         t = _one(tensors, "send")
         self._peer(dst, "send", tag)
@@ -633,13 +655,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._work(Work([t], [req], keep=(src,), what=f"send to {dst}",
                                timeout=self._timeout))
 
-    @_mixed("recv", (0, 0))
+    @handoff("recv", (0, 0))
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         t = _one(tensors, "recv")
         self._peer(src, "recv", tag)
         return self._irecv(t, src, tag, f"recv from {src}")
 
-    @_mixed("recv_anysource", (0, 0))
+    @handoff("recv_anysource", (0, 0))
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         t = _one(tensors, "recv")
         self._peer(0, "recv", tag)
@@ -650,26 +672,3 @@ class ProcessGroupMPI(dist.ProcessGroup):
         req = self._comm.Irecv(spec(buf), src, tag)
         return self._work(Work([t], [req], finish=lambda: write_back(t, buf), keep=(buf,),
                                what=what, timeout=self._timeout))
-
-
-def _make_backend(name: str, device: str, group: ProcessGroupMPI) -> Any:
-    """torch's backend ``name`` for ``device`` tensors of ``group`` (a mixed group)."""
-    if group._store is None:
-        raise RuntimeError(f"group {group.group_name!r} has no store to create {name} with")
-    store = dist.PrefixStore(f"{device}/", group._store)
-    rank, size, timeout = group.rank(), group.size(), group._timeout
-    if name == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if name == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    plugin = dist.Backend._plugins.get(name.upper())
-    if plugin is None:
-        raise ValueError(f"backend {name!r} for {device} tensors is not known to torch")
-    if not plugin.extended_api:
-        return plugin.creator_fn(store, rank, size, timeout)
-    options = dist.distributed_c10d._DistributedBackendOptions()
-    options.store, options.group_rank, options.group_size = store, rank, size
-    options.timeout, options.group_id = timeout, group.group_name
-    return plugin.creator_fn(options, None)

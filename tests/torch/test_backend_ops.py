@@ -460,3 +460,25 @@ def test_a_world_of_one_and_methods_called_without_options():
     finally:
         dist.destroy_process_group()
     assert backend.live_communicators() == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_runs_async_calls_on_a_thread_in_issue_order(world, monkeypatch):
+    rank, n = world
+    monkeypatch.setenv("MPIDIST_TORCH_OVERLAP", "1")  # read when a group is made
+    g = dist.new_group()
+    ts = [torch.full((5000,), float(rank + i)) for i in range(12)]
+    works = [dist.all_reduce(t, group=g, async_op=True) for t in ts]
+    chained = works[0].get_future().then(lambda f: f.value()[0][:2] * 2)
+    b = torch.arange(3.0) * rank
+    dist.broadcast(b, group=g, group_src=n - 1)  # synchronous: runs after the queued calls
+    assert b.tolist() == [0.0, n - 1.0, 2 * (n - 1.0)]
+    for i, (t, w) in enumerate(zip(ts, works, strict=True)):
+        assert w.wait() and w.is_completed() and w.is_success()
+        assert t[0].item() == n * i + n * (n - 1) / 2
+    assert chained.wait().tolist() == [n * (n - 1.0)] * 2
+    out = torch.empty(n * 2)
+    w = dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=g, async_op=True)
+    w.wait()
+    assert out.tolist() == [float(r) for r in range(n) for _ in range(2)]
+    dist.destroy_process_group(g)
