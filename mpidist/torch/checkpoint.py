@@ -12,7 +12,15 @@ class, its parameter groups' hyperparameters and parameter names, and any non-te
 state). Each rank writes only part of every tensor (its shard under ``fully_shard``, the
 parameters its ``ZeroRedundancyOptimizer`` partition owns, an even share of replicated
 tensors) and reads only what its own wrapper needs, so any wrapper at any world size loads a
-checkpoint of any other, or of a plain module in one process. ``mpidist inspect --verify``,
+checkpoint of any other, or of a plain module in one process.
+
+Models sharded by torch's own parallelisms (FSDP2's ``fully_shard``, tensor parallelism,
+both: parameters and optimizer state that are DTensors on any DeviceMesh) are written the
+same way: each DTensor is redistributed so that every mesh dimension shards its first
+dimension, which leaves each rank one contiguous range of the global tensor to write (a range
+held by several ranks is written by the first); loading reads that range and redistributes
+back to the DTensor's own placements. torch's own ``DistributedDataParallel`` is unwrapped
+like mpidist's. ``mpidist inspect --verify``,
 ``h5ls`` and ``mpidist export`` read these files like any other mpidist checkpoint.
 """
 
@@ -37,11 +45,75 @@ class _Entry:
     """One local tensor of the checkpoint and the part of the global tensor it holds."""
 
     def __init__(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
-                 flat: slice | None) -> None:
+                 flat: slice | None, layout: _Rows | None = None) -> None:
         self.name = name
         self.tensor = tensor
         self.shape = shape        # global shape
         self.flat = flat          # this rank's elements of the global tensor; None: all
+        self.layout = layout      # a DTensor's: how its rows come and go
+        self.target = tensor      # the tensor a load writes (the DTensor itself)
+
+
+def _is_dtensor(t: Any) -> bool:
+    return all(hasattr(t, a) for a in ("device_mesh", "placements", "to_local"))
+
+
+class _Rows:
+    """A DTensor (torch's FSDP2, tensor parallelism, both) as contiguous rows: its values
+    redistributed so that every dimension of its mesh shards dim 0, which leaves each rank
+    one flat range of the global tensor. Making the rows and putting them back are
+    collective over the DTensor's mesh."""
+
+    def __init__(self, t: Any) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        self.mesh, self.placements = t.device_mesh, tuple(t.placements)
+        self.shape, self.stride = tuple(t.shape), t.stride()
+        self.rows = tuple(Shard(0) if t.dim() else Replicate() for _ in range(self.mesh.ndim))
+        n = self.shape[0] if self.shape else 1
+        start, stop = 0, n
+        for dim, c in enumerate(self.mesh.get_coordinate() or ()):
+            if not t.dim():
+                break
+            k = self.mesh.size(dim)
+            chunk = -(-(stop - start) // k)  # torch's Shard: chunks of ceil(n / k)
+            start, stop = min(start + c * chunk, stop), min(start + (c + 1) * chunk, stop)
+        row = int(np.prod(self.shape[1:])) if self.shape else 1
+        self.local_shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        self.flat = slice(start * row, stop * row)
+
+    def local(self, t: Any) -> torch.Tensor:
+        """This rank's rows of ``t`` (a DTensor laid out like the one this was made for)."""
+        if tuple(t.placements) != self.rows:
+            t = t.redistribute(self.mesh, self.rows)
+        out = t.to_local()
+        if tuple(out.shape) != self.local_shape:
+            raise ValueError(f"rows of a DTensor of shape {self.shape}: torch gives this rank "
+                             f"{tuple(out.shape)}, expected {self.local_shape}")
+        return out
+
+    def restore(self, rows: torch.Tensor) -> Any:
+        """The DTensor, in the original placements, whose rows here are ``rows``."""
+        from torch.distributed.tensor import DTensor
+
+        t = DTensor.from_local(rows.view(self.local_shape), self.mesh, self.rows,
+                               run_check=False, shape=torch.Size(self.shape),
+                               stride=self.stride)
+        return t.redistribute(self.mesh, self.placements) if self.placements != self.rows \
+            else t
+
+
+def _entry(name: str, t: Any, info: Any = None, layout: _Rows | None = None) -> _Entry:
+    """The entry of a parameter, buffer or state tensor ``t`` (``info``: mpidist's
+    fully_shard; a DTensor: its rows)."""
+    if _is_dtensor(t):
+        layout = layout or _Rows(t)
+        entry = _Entry(name, layout.local(t), layout.shape, layout.flat, layout)
+        entry.target = t
+        return entry
+    if info is not None:
+        return _Entry(name, t, info.shape, info.flat)
+    return _Entry(name, t, tuple(t.shape), None)
 
 
 def _unwrap(module: torch.nn.Module, optimizer: Any, comm: Any) -> tuple[torch.nn.Module, Any,
@@ -49,6 +121,9 @@ def _unwrap(module: torch.nn.Module, optimizer: Any, comm: Any) -> tuple[torch.n
     """The plain module, the communicator everyone uses, and a name for the wrapper."""
     comms = []
     wrapper = "module"
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):  # torch's own
+        module = module.module
+        wrapper = "torch.DistributedDataParallel"
     if isinstance(module, DistributedDataParallel):
         comms.append(module.comm)
         module = module.module
@@ -58,6 +133,9 @@ def _unwrap(module: torch.nn.Module, optimizer: Any, comm: Any) -> tuple[torch.n
         if info is not None:
             comms.append(info.comm)
             wrapper = "fully_shard"
+            break
+        if _is_dtensor(p):
+            wrapper = "torch DTensor (fully_shard / tensor parallel)"
             break
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         comms.append(optimizer.comm)
@@ -78,12 +156,10 @@ def _model_entries(module: torch.nn.Module) -> list[_Entry]:
     keys = set(module.state_dict().keys())
     out = []
     for name, p in module.named_parameters():
-        info = getattr(p, "_mpidist_shard", None)
-        shape = info.shape if info is not None else tuple(p.shape)
-        out.append(_Entry(f"params/{name}", p, shape, None if info is None else info.flat))
+        out.append(_entry(f"params/{name}", p, getattr(p, "_mpidist_shard", None)))
     for name, b in module.named_buffers():
         if name in keys:
-            out.append(_Entry(f"buffers/{name}", b, tuple(b.shape), None))
+            out.append(_entry(f"buffers/{name}", b))
     return out
 
 
@@ -116,11 +192,10 @@ def _optimizer_entries(module: torch.nn.Module, optimizer: Any) -> tuple[list[_E
                 scalars.setdefault(name, {})[key] = v
                 continue
             if v.dim() == 0:
-                entries.append(_Entry(f"optimizer/{key}/{name}", v, (), None))
+                local_v = v.full_tensor() if _is_dtensor(v) else v
+                entries.append(_Entry(f"optimizer/{key}/{name}", local_v, (), None))
             elif v.shape == p.shape:
-                shape = info.shape if info is not None else tuple(p.shape)
-                entries.append(_Entry(f"optimizer/{key}/{name}", v, shape,
-                                      None if info is None else info.flat))
+                entries.append(_entry(f"optimizer/{key}/{name}", v, info))
             else:
                 raise ValueError(f"optimizer state {key!r} of {name!r} has shape "
                                  f"{tuple(v.shape)}, neither the parameter's nor a scalar")
@@ -160,21 +235,26 @@ def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
     if optimizer is not None:
         extra, attrs["optimizer"] = _optimizer_entries(module, optimizer)
         entries += extra
-    mine = {e.name: (e.shape, numpy_dtype(e.tensor.dtype).name, e.flat is not None)
+    mine = {e.name: (e.shape, numpy_dtype(e.tensor.dtype).name,
+                     None if e.flat is None else (e.flat.start, e.flat.stop))
             for e in entries}
     everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
     tensors: dict[str, ckpt.TensorInfo] = {}
     holders: dict[str, list[int]] = {}
+    writer: dict[tuple[str, int, int], int] = {}  # a range held by several ranks: the first
     for r, table in enumerate(everyone):
-        for name, (shape, dtype, _) in table.items():
+        for name, (shape, dtype, flat) in table.items():
             tensors.setdefault(name, ckpt.TensorInfo(shape, dtype))
             holders.setdefault(name, []).append(r)
+            if flat is not None:
+                writer.setdefault((name, *flat), r)
     pieces = []
     rank = comm.Get_rank()
     for e in entries:
         data = e.tensor.detach().reshape(-1).cpu().numpy()
         if e.flat is not None:
-            pieces.append(ckpt.Piece(e.name, e.flat, data))
+            if writer[(e.name, e.flat.start, e.flat.stop)] == rank:
+                pieces.append(ckpt.Piece(e.name, e.flat, data))
             continue
         who = holders[e.name]  # ranks with the whole tensor: each writes an even share
         n, k = data.size, len(who)
@@ -237,7 +317,10 @@ def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
                      verify=True)
     with torch.no_grad():
         for e, buf in loaders:
-            e.tensor.copy_(buf.view(e.tensor.shape))
+            if e.layout is not None:
+                e.target.to_local().copy_(e.layout.restore(buf).to_local())
+            else:
+                e.tensor.copy_(buf.view(e.tensor.shape))
     if optimizer is not None:
         _apply_optimizer(module, optimizer, attrs, states)
     return dict(attrs)
@@ -256,6 +339,7 @@ def _plan_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str,
         for p in group["params"]:
             name = names[p]
             info = getattr(p, "_mpidist_shard", None)
+            layout = _Rows(p) if _is_dtensor(p) else None
             state: dict[str, Any] = {}
             for key_name, tinfo in infos.items():
                 if not key_name.startswith("optimizer/") or not key_name.endswith("/" + name):
@@ -267,11 +351,14 @@ def _plan_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str,
                 if tuple(tinfo.shape) == ():
                     t = torch.empty((), dtype=dtype)
                     flat = slice(0, 1)
+                elif layout is not None:
+                    t = torch.empty(layout.local_shape, dtype=dtype)
+                    flat = layout.flat
                 else:
                     t = torch.empty(p.shape, dtype=dtype)
                     flat = info.flat if info is not None else slice(0, t.numel())
                 requests.append(ckpt.Piece(key_name, flat, t.view(-1).numpy()))
-                state[key] = t
+                state[key] = (layout, t) if layout is not None and t.dim() else t
             if state:
                 states[p] = state
 
@@ -298,6 +385,7 @@ def _apply_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str
     scalars = saved.get("scalars", {})
     for p, state in states.items():
         device = p.device
-        full = {k: v.to(device) for k, v in state.items()}
+        full = {k: v[0].restore(v[1]) if isinstance(v, tuple) else v.to(device)
+                for k, v in state.items()}
         full.update(scalars.get(names[p], {}))
         local.state[p] = full

@@ -157,3 +157,66 @@ def test_async_save_while_the_main_thread_communicates(world, shared_dir):
     future.result()
     dist.barrier()
     assert_loads_in_one_process(shared_dir, expected, "async_save")
+
+
+def tp_fsdp_mlp(n: int) -> torch.nn.Module:
+    """The MLP with tensor parallelism over pairs of ranks (when n is even) and FSDP2 over
+    the rest, every parameter a DTensor on the 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = 2 if n % 2 == 0 else 1
+    mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("dp", "tp"))
+    model = M.make_mlp()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    parallelize_module(model.head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("source", ["fsdp2", "tp+fsdp2"])
+def test_mpidist_hdf5_checkpoints_of_dtensor_models(world, shared_dir, source):
+    """mpidist.torch.save_checkpoint of a model sharded by torch's own parallelisms writes
+    global named tensors: they load into the other torch layout, into mpidist's DDP and into
+    a plain module in one process, and the file verifies."""
+    from mpi4py import MPI
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mpidist.checkpoint import verify_checkpoint
+    from mpidist.torch import DistributedDataParallel, load_checkpoint, save_checkpoint
+
+    rank, n = world
+    fsdp = lambda: sharded_mlp(init_device_mesh("cpu", (n,)))  # noqa: E731
+    make = {"fsdp2": fsdp, "tp+fsdp2": lambda: tp_fsdp_mlp(n)}
+    model = make[source]()
+    opt = train(model)
+    expected = full_values({"model": model.state_dict(), "optim": saved(model, opt)["optim"]})
+    path = save_checkpoint(f"{shared_dir}/ckpt-00000002.h5", model, opt, step=2)
+    if rank == 0:
+        verify_checkpoint(path)
+    other = make["tp+fsdp2" if source == "fsdp2" else "fsdp2"]()
+    other_opt = train(other, steps=1)
+    assert load_checkpoint(shared_dir, other, other_opt)["step"] == 2
+    got = full_values({"model": other.state_dict(), "optim": saved(other, other_opt)["optim"]})
+    M.assert_close(got, expected, rtol=0, what=f"{source} -> the other layout")
+    ddp = DistributedDataParallel(M.make_mlp(seed=3))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    load_checkpoint(path, ddp, ddp_opt)
+    M.assert_close({f"model.{k}": v.numpy() for k, v in ddp.module.state_dict().items()},
+                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
+                   what="mpidist DDP")
+    plain = M.make_mlp(seed=4)
+    load_checkpoint(path, plain, comm=MPI.COMM_SELF)
+    M.assert_close({f"model.{k}": v.numpy() for k, v in plain.state_dict().items()},
+                   {k: v for k, v in expected.items() if k.startswith("model.")}, rtol=0,
+                   what="one process")
