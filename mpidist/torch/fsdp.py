@@ -32,6 +32,7 @@ when they already hold a gradient (accumulation).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -311,7 +312,19 @@ def fully_shard(module: torch.nn.Module, *, comm: Any = None, mesh: Any = None,
     derives from :class:`FSDPModule`. Apply it to the blocks first, then to the root; build
     the optimizer afterwards, over ``model.parameters()`` (the shards). A parameter tied to
     one in another unit is an error: put both in one unit.
+
+    Superseded by torch's own ``torch.distributed.fsdp.fully_shard`` on the "mpidist"
+    backend (``import mpidist.torch``, ``dist.init_process_group("mpidist")``), whose
+    parameters are DTensors, so that torch's ``clip_grad_norm_`` takes the global norm and
+    ``get_model_state_dict`` gives full state dicts; this one warns (FutureWarning) and stays
+    for existing scripts.
     """
+    warnings.warn(
+        "mpidist.torch.fully_shard is superseded by torch.distributed.fsdp.fully_shard on the "
+        "'mpidist' backend (import mpidist.torch; torch.distributed.init_process_group("
+        "'mpidist')): its DTensor parameters give torch's clip_grad_norm_ the global norm "
+        "(with this one it is each rank's own) and full state dicts",
+        FutureWarning, stacklevel=2)
     comm = resolve_comm(comm, mesh)
     size = comm.Get_size()
     error, params = _collect(module, size)

@@ -171,3 +171,9 @@ def test_fully_shard_rows_fewer_than_ranks(comm):
         plain(x).mean().backward()
         popt.step()
     M.assert_close(full_params(model, comm), M.params_of(plain))
+
+
+def test_fully_shard_is_superseded_by_torchs_own_on_the_backend():
+    with pytest.warns(FutureWarning, match=r"torch.distributed.fsdp.fully_shard on the "
+                                           r"'mpidist' backend"):
+        fully_shard(torch.nn.Linear(2, 2), comm=None)
