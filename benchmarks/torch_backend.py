@@ -53,7 +53,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torch_models as TM  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -101,20 +100,7 @@ def build(kind: str, name: str, groups: dict) -> tuple[torch.nn.Module, torch.op
 
 def run(kind: str, name: str, gb: int, steps: int, groups: dict) -> dict:
     net, opt = build(kind, name, groups)
-    times, losses = [], []
-    for s in range(2 + steps):
-        x, y = TM.local_batch(name, gb, s, RANK, SIZE)
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        out = net(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if s >= 2:
-            times.append(float(COMM.allreduce(dt, op=MPI.MAX)))
-        losses.append(float(COMM.allreduce(loss.item())) / SIZE)
+    times, losses = TM.timed_steps(net, opt, name, gb, steps, COMM)
     return {"step_s": statistics.median(times), "losses": losses}
 
 

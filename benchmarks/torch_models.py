@@ -4,6 +4,8 @@ with the global batch of each step, the same at every world size."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -74,3 +76,27 @@ def local_batch(name: str, gb: int, step: int, rank: int,
         return idx[:, :-1], idx[:, 1:]
     x = torch.randn(gb, 256, generator=g)[rank * b:(rank + 1) * b]
     return x, torch.randint(0, 64, (gb,), generator=g)[rank * b:(rank + 1) * b]
+
+
+def timed_steps(net: torch.nn.Module, opt: torch.optim.Optimizer, name: str, gb: int,
+                steps: int, comm) -> tuple[list[float], list[float]]:
+    """2 warm-up and ``steps`` timed training steps: the slowest rank's seconds of each timed
+    step and the mean loss of every step. Collective over ``comm`` (an mpi4py communicator)."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    times, losses = [], []
+    for s in range(2 + steps):
+        x, y = local_batch(name, gb, s, rank, size)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        out = net(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if s >= 2:
+            times.append(float(comm.allreduce(dt, op=MPI.MAX)))
+        losses.append(float(comm.allreduce(loss.item())) / size)
+    return times, losses

@@ -129,20 +129,7 @@ def state_bytes(net: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 
 def run(kind: str, name: str, gb: int, steps: int) -> dict:
     net, opt = build(kind, name)
-    losses, times = [], []
-    for s in range(2 + steps):
-        x, y = local_batch(name, gb, s)
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        out = net(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if s >= 2:
-            times.append(float(COMM.allreduce(dt, op=MPI.MAX)))
-        losses.append(float(COMM.allreduce(loss.item())) / SIZE)
+    times, losses = TM.timed_steps(net, opt, name, gb, steps, COMM)
     r = {"step_s": statistics.median(times), "losses": losses,
          "state_bytes": state_bytes(net, opt)}
     if kind == "mpidist-fsdp":
