@@ -106,15 +106,15 @@ def _abort_on_uncaught_exceptions(comm: Any) -> None:
     def hook(kind: Any, value: Any, tb: Any) -> None:
         import traceback
 
+        if kind is KeyboardInterrupt or mpi().Is_finalized():
+            previous(kind, value, tb)  # Ctrl-C reaches every rank anyway
+            return
         stream = sys.__stderr__ or sys.stderr
         rank = mpi().COMM_WORLD.Get_rank()
         text = "".join(traceback.format_exception(kind, value, tb)).rstrip("\n")
         stream.write("".join(f"[rank {rank}] {line}\n" for line in text.split("\n")))
         stream.write(f"[rank {rank}] aborting the MPI job\n")
         stream.flush()
-        if kind is KeyboardInterrupt or mpi().Is_finalized():
-            previous(kind, value, tb)
-            return
         mpi().COMM_WORLD.Abort(1)
 
     hook._mpidist = True  # type: ignore[attr-defined]

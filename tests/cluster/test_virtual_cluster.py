@@ -286,3 +286,18 @@ def test_multi_node_batch_script_on_a_two_node_slurm(cluster: dict, tmp_path: Pa
     assert "on 2 node(s)" in log and "mpdtest1" in log and "mpdtest2" in log, log[-2000:]
     assert sorted(losses(out)) == [1, 2, 3, 4]
     assert (out / "latest").exists()
+
+
+def test_torch_backend_across_nodes(cluster: dict, tmp_path: Path) -> None:
+    """torch's init_process_group("mpidist") with no variables across two nodes: the
+    ranks on rank 0's node reach its key-value store at 127.0.0.1, the others by its host
+    name; rank, world and local ranks come from MPI."""
+    pytest.importorskip("torch")
+    script = REPO / "tests" / "torch" / "backend_launch.py"
+    res = on_cluster(cluster, 4, [sys.executable, str(script), "plain"], tmp_path,
+                     extra_env={"PYTHONWARNINGS": "ignore"})
+    rows = sorted((json.loads(line) for line in res.stdout.splitlines()
+                   if line.startswith('{"rank"')), key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"], r["sum"]) for r in rows] == [(i, 4, 10.0) for i in range(4)]
+    assert [r["env"]["LOCAL_RANK"] for r in rows] == ["0", "1", "0", "1"]
+    assert {r["env"]["LOCAL_WORLD_SIZE"] for r in rows} == {"2"}
