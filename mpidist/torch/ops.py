@@ -88,7 +88,7 @@ def mpi_type(dtype: torch.dtype) -> Any:
 
 def words(dtype: torch.dtype) -> tuple[Any, int]:
     """(MPI datatype, words per element) that carry ``dtype`` bit for bit."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size in _WORDS:
         return getattr(mpi(), _WORDS[size]), 1
     if size % 8 == 0:
@@ -311,21 +311,29 @@ def abandon(request: Any) -> None:
     _ABANDONED.append(request)
 
 
-def wait_until(request: Any, seconds: float, pending: dict[Any, Any] | None = None) -> bool:
-    """Poll ``request`` (or every request of ``pending``) until done or ``seconds`` have
-    passed; True when done. A request not done is abandoned (:func:`abandon`)."""
-    requests = [request] if pending is None else list(pending.values())
+def poll(test: Callable[[], bool], seconds: float) -> bool:
+    """Call ``test`` (which drives MPI progress) until it is true or ``seconds`` have
+    passed; True when it became true. Spins at first, then sleeps between tests."""
     deadline = time.monotonic() + max(seconds, 0.0)
     spins = 0
-    while not mpi().Request.Testall(requests):
+    while not test():
         if time.monotonic() >= deadline:
-            if pending is None:
-                abandon(request)
             return False
         spins += 1
         if spins > 1000:
             time.sleep(0.0002)
     return True
+
+
+def wait_until(request: Any, seconds: float, pending: dict[Any, Any] | None = None) -> bool:
+    """Poll ``request`` (or every request of ``pending``) until done or ``seconds`` have
+    passed; True when done. A request not done is abandoned (:func:`abandon`)."""
+    requests = [request] if pending is None else list(pending.values())
+    if poll(lambda: mpi().Request.Testall(requests), seconds):
+        return True
+    if pending is None:
+        abandon(request)
+    return False
 
 
 # -- works ----------------------------------------------------------------------------------
@@ -371,8 +379,8 @@ class Work(dist.Work):
                 future.set_result(self._result)
             else:
                 future.set_exception(error)
-        assert self._event is not None
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
 
     def _complete(self) -> None:
         self._done = True
@@ -398,10 +406,8 @@ class Work(dist.Work):
         if self._done:
             return True
         if seconds > 0:
-            deadline = time.monotonic() + seconds
-            while not self._test():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
+            if not poll(self._test, seconds):
+                raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
             return True
         with watch(self._what, self._timeout):
             if len(self._requests) == 1:
@@ -518,11 +524,6 @@ class CommThread:
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
-
-
-def done(result: list[torch.Tensor]) -> Work:
-    """A completed Work holding ``result``."""
-    return Work(result)
 
 
 class CoalescedWork(Work):

@@ -75,8 +75,7 @@ class _Call:
 
     def __enter__(self) -> Any:
         g = self._group
-        if g._comm is None:
-            raise RuntimeError(f"{self._what}: process group {g._name!r} was destroyed")
+        g._check_live(self._what)
         if not self.side:
             comm = g._comm
         else:
@@ -200,6 +199,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         watchdog."""
         return _Call(self, what, tensors, extra)
 
+    def _check_live(self, what: str) -> None:
+        if self._comm is None:
+            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
+
     def _work(self, work: Work) -> Work:
         if self._coalescing is not None:
             self._coalescing.append(work)
@@ -228,10 +231,6 @@ class ProcessGroupMPI(dist.ProcessGroup):
         """Wait until the communication thread has run every call issued before."""
         if self._thread is not None:
             self._thread.drain()
-
-    def _other(self, t: Any) -> Any:
-        """The backend of another kind serving ``t``'s device in a mixed group, or None."""
-        return self.backend_for(t.device.type if isinstance(t, torch.Tensor) else "cpu")
 
     def backend_for(self, device: str) -> Any:
         """The torch backend that runs this group's operations on ``device`` tensors when
@@ -605,8 +604,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         (every such rank with ``wait_all_ranks``); the others wait for rank 0's release."""
         limit = (self._timeout if timeout is None else timeout).total_seconds()
         rank, n = self._r, self._n
-        if self._comm is None:
-            raise RuntimeError(f"monitored_barrier: process group {self._name!r} was destroyed")
+        self._check_live("monitored_barrier")
         self._drain()
         tag = _MONITOR_TAG
         token = torch.zeros(1, dtype=torch.uint8)
@@ -643,8 +641,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             raise ValueError(f"{what}: rank {peer} is outside a group of {self._n}")
         if tag < 0:
             raise ValueError(f"{what}: tag={tag} must be >= 0 for MPI")
-        if self._comm is None:
-            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
+        self._check_live(what)
 
     @handoff("send", (0, 0))
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
