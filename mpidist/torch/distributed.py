@@ -76,10 +76,7 @@ def init_process_group(backend: str | None = None, *, comm: Any = None,
     if comm is None:
         _rendezvous.check_srun()  # before MPI is initialised
     comm = resolve_comm(comm)
-    for key, mine in (("rank", comm.Get_rank()), ("world_size", comm.Get_size())):
-        given = kwargs.pop(key, None)
-        if given is not None and given != -1 and int(given) != mine:
-            raise ValueError(f"{key}={given} but MPI says {mine} for this process")
+    _rendezvous.agree_with_mpi(comm, {k: kwargs.pop(k, None) for k in ("rank", "world_size")})
     kwargs.pop("init_method", None)
     kwargs.pop("store", None)
     name = backend if backend and _backend.BACKEND in str(backend) else _backend.BACKEND

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from mpidist.comms import mpi
 
-__all__ = ["check_srun", "check_world", "install", "launched_by_mpi", "mpi_store"]
+__all__ = ["agree_with_mpi", "check_srun", "check_world", "install", "launched_by_mpi",
+           "mpi_store"]
 
 # Variables an MPI launcher sets in each process it starts (Open MPI, MPICH/Hydra/Intel MPI,
 # PMIx as under srun --mpi=pmix).
@@ -56,22 +57,31 @@ def _mpi_initialized() -> bool:
     return module is not None and module.Is_initialized()
 
 
+def _srun_tasks(env: Mapping[str, str], plugin_vars: tuple[str, ...]) -> int:
+    """The number of tasks of the srun step this process is one of, when that is more than
+    one and none of ``plugin_vars`` (set by an MPI plugin or launcher) is there; else 0."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if "SLURM_STEP_ID" not in env or not tasks.isdigit() or int(tasks) < 2:
+        return 0
+    return 0 if any(v in env for v in plugin_vars) else int(tasks)
+
+
+def _srun_error(what: str, tasks: int) -> ValueError:
+    return ValueError(
+        f"{what}: srun started {tasks} tasks but each is an MPI world of 1: srun has no "
+        "MPI plugin here; launch with `srun --mpi=pmix` (see `srun --mpi=list`) or set "
+        "MpiDefault=pmix in slurm.conf")
+
+
 def check_srun(what: str = "init_process_group", environ: dict[str, str] | None = None) -> None:
     """Raise ValueError when srun started this process among several tasks without an MPI
     plugin (no PMIx/PMI variables), before MPI is initialised: Open MPI would abort in
     MPI_Init with advice about building Open MPI, other MPIs would start a world of one per
     task. Pure (reads the environment)."""
-    env = os.environ if environ is None else environ
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
-    plugin = any(v in env for v in ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE"))
-    if "SLURM_STEP_ID" in env and tasks.isdigit() and int(tasks) > 1 and not plugin:
-        raise ValueError(_srun_message(what, tasks))
-
-
-def _srun_message(what: str, tasks: str) -> str:
-    return (f"{what}: srun started {tasks} tasks but each is an MPI world of 1: srun has no "
-            "MPI plugin here; launch with `srun --mpi=pmix` (see `srun --mpi=list`) or set "
-            "MpiDefault=pmix in slurm.conf")
+    tasks = _srun_tasks(os.environ if environ is None else environ,
+                        ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE"))
+    if tasks:
+        raise _srun_error(what, tasks)
 
 
 def check_world(comm: Any, size: int | None = None, what: str = "init_process_group") -> None:
@@ -79,16 +89,18 @@ def check_world(comm: Any, size: int | None = None, what: str = "init_process_gr
     without an MPI plugin (each task an MPI world of one while Slurm started several), or a
     ``size`` that differs from the communicator's. Not collective."""
     n = comm.Get_size()
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
-    if n == 1 and "SLURM_STEP_ID" in os.environ and tasks and int(tasks) > 1 and \
-            not any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
-        raise ValueError(_srun_message(what, tasks))
+    tasks = _srun_tasks(os.environ, ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")) if n == 1 else 0
+    if tasks:
+        raise _srun_error(what, tasks)
     if size is not None and size != n:
         raise ValueError(f"{what}: world_size={size} but MPI says {n} for this process "
                          "(launch with mpiexec -n or srun -n, not torchrun)")
 
 
-def _agree(comm: Any, given: dict[str, int | None]) -> tuple[int, int]:
+def agree_with_mpi(comm: Any, given: Mapping[str, Any]) -> tuple[int, int]:
+    """``(rank, size)`` of ``comm``, after checking the ``rank``/``world_size`` a script gave
+    (an argument or RANK/WORLD_SIZE; None or -1: not given): ValueError naming both values
+    when they differ. Not collective."""
     rank, size = comm.Get_rank(), comm.Get_size()
     for key, mine in (("rank", rank), ("world_size", size)):
         value = given.get(key)
@@ -170,7 +182,7 @@ def _env_handler(url: str, timeout: timedelta = dist.default_pg_timeout,
     check_srun()
     comm = mpi().COMM_WORLD
     check_world(comm)
-    rank, size = _agree(comm, given)
+    rank, size = agree_with_mpi(comm, given)
     if have:
         yield from original(url, timeout=timeout, **kwargs)
         return
