@@ -14,7 +14,21 @@ import sys
 import traceback
 from typing import Any
 
-__all__ = ["abort_on_failure"]
+__all__ = ["abort_on_failure", "abort_with"]
+
+
+def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
+    """Write ``text`` (a traceback) to ``stream`` (default ``sys.stderr``), each line
+    prefixed with this rank, then ``Abort`` ``comm`` with ``code``. Not collective: only
+    the failing rank acts; MPI ends the others. Does not return."""
+    stream = sys.stderr if stream is None else stream
+    rank = comm.Get_rank()
+    prefixed = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
+    sys.stdout.flush()
+    stream.write(prefixed)
+    stream.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
+    stream.flush()
+    comm.Abort(code)
 
 
 class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a statement
@@ -49,17 +63,11 @@ class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a 
             comm = MPI.COMM_WORLD
         if comm.Get_size() <= 1:
             return False
-        rank = comm.Get_rank()
         if isinstance(exc, SystemExit):
             code = exc.code if isinstance(exc.code, int) else self.exit_code
             text = f"SystemExit({exc.code!r})\n"
         else:
             code = self.exit_code
             text = "".join(traceback.format_exception(exc_type, exc, tb))
-        prefixed = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
-        sys.stdout.flush()
-        sys.stderr.write(prefixed)
-        sys.stderr.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
-        sys.stderr.flush()
-        comm.Abort(code)
+        abort_with(comm, text, code)
         return False  # pragma: no cover - Abort does not return

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mpidist.comms import mpi
+from mpidist.launch.guard import abort_with
 from mpidist.torch import ops, rendezvous
 from mpidist.torch._common import agree
 from mpidist.torch.process_group import BACKEND, ProcessGroupMPI, live_communicators
@@ -109,13 +110,9 @@ def _abort_on_uncaught_exceptions(comm: Any) -> None:
         if kind is KeyboardInterrupt or mpi().Is_finalized():
             previous(kind, value, tb)  # Ctrl-C reaches every rank anyway
             return
-        stream = sys.__stderr__ or sys.stderr
-        rank = mpi().COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(kind, value, tb)).rstrip("\n")
-        stream.write("".join(f"[rank {rank}] {line}\n" for line in text.split("\n")))
-        stream.write(f"[rank {rank}] aborting the MPI job\n")
-        stream.flush()
-        mpi().COMM_WORLD.Abort(1)
+        # (the real stderr: torch's own hook, which calls this one, captures sys.stderr)
+        abort_with(mpi().COMM_WORLD, "".join(traceback.format_exception(kind, value, tb)),
+                   1, sys.__stderr__ or sys.stderr)
 
     hook._mpidist = True  # type: ignore[attr-defined]
     sys.excepthook = hook
