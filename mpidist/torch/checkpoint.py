@@ -45,13 +45,15 @@ class _Entry:
     """One local tensor of the checkpoint and the part of the global tensor it holds."""
 
     def __init__(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
-                 flat: slice | None, layout: _Rows | None = None) -> None:
+                 flat: slice | None, layout: _Rows | None = None,
+                 target: Any = None) -> None:
         self.name = name
         self.tensor = tensor
         self.shape = shape        # global shape
         self.flat = flat          # this rank's elements of the global tensor; None: all
         self.layout = layout      # a DTensor's: how its rows come and go
-        self.target = tensor      # the tensor a load writes (the DTensor itself)
+        # the tensor a load writes: the DTensor itself for a DTensor's rows
+        self.target = tensor if target is None else target
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -70,13 +72,10 @@ class _Rows:
         self.mesh, self.placements = t.device_mesh, tuple(t.placements)
         self.shape, self.stride = tuple(t.shape), t.stride()
         self.rows = tuple(Shard(0) if t.dim() else Replicate() for _ in range(self.mesh.ndim))
-        n = self.shape[0] if self.shape else 1
-        start, stop = 0, n
-        for dim, c in enumerate(self.mesh.get_coordinate() or ()):
-            if not t.dim():
-                break
-            k = self.mesh.size(dim)
-            chunk = -(-(stop - start) // k)  # torch's Shard: chunks of ceil(n / k)
+        start, stop = 0, self.shape[0] if self.shape else 1
+        coordinate = (self.mesh.get_coordinate() or ()) if t.dim() else ()
+        for dim, c in enumerate(coordinate):
+            chunk = -(-(stop - start) // self.mesh.size(dim))  # torch's Shard: ceil(n / k)
             start, stop = min(start + c * chunk, stop), min(start + (c + 1) * chunk, stop)
         row = int(np.prod(self.shape[1:])) if self.shape else 1
         self.local_shape = (stop - start, *self.shape[1:]) if self.shape else ()
@@ -103,14 +102,14 @@ class _Rows:
             else t
 
 
-def _entry(name: str, t: Any, info: Any = None, layout: _Rows | None = None) -> _Entry:
+def _entry(name: str, t: Any, info: Any = None, values: bool = True) -> _Entry:
     """The entry of a parameter, buffer or state tensor ``t`` (``info``: mpidist's
-    fully_shard; a DTensor: its rows)."""
+    fully_shard; a DTensor: its rows, redistributed only when ``values`` are wanted: a load
+    needs just their shape)."""
     if _is_dtensor(t):
-        layout = layout or _Rows(t)
-        entry = _Entry(name, layout.local(t), layout.shape, layout.flat, layout)
-        entry.target = t
-        return entry
+        layout = _Rows(t)
+        rows = layout.local(t) if values else torch.empty(layout.local_shape, dtype=t.dtype)
+        return _Entry(name, rows, layout.shape, layout.flat, layout, target=t)
     if info is not None:
         return _Entry(name, t, info.shape, info.flat)
     return _Entry(name, t, tuple(t.shape), None)
@@ -152,14 +151,14 @@ def _unwrap(module: torch.nn.Module, optimizer: Any, comm: Any) -> tuple[torch.n
     return module, chosen, wrapper
 
 
-def _model_entries(module: torch.nn.Module) -> list[_Entry]:
+def _model_entries(module: torch.nn.Module, values: bool = True) -> list[_Entry]:
     keys = set(module.state_dict().keys())
     out = []
     for name, p in module.named_parameters():
-        out.append(_entry(f"params/{name}", p, getattr(p, "_mpidist_shard", None)))
+        out.append(_entry(f"params/{name}", p, getattr(p, "_mpidist_shard", None), values))
     for name, b in module.named_buffers():
         if name in keys:
-            out.append(_entry(f"buffers/{name}", b))
+            out.append(_entry(f"buffers/{name}", b, values=values))
     return out
 
 
@@ -294,7 +293,7 @@ def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
     if meta[0] == "error":
         raise ckpt.CheckpointError(meta[1])
     _, target, attrs, infos = meta
-    entries = _model_entries(module)
+    entries = _model_entries(module, values=False)
     expected = {e.name: ckpt.TensorInfo(e.shape, numpy_dtype(e.tensor.dtype).name)
                 for e in entries}
     loaders: list[tuple[_Entry, torch.Tensor]] = []
