@@ -162,25 +162,8 @@ def test_async_save_while_the_main_thread_communicates(world, shared_dir):
 def tp_fsdp_mlp(n: int) -> torch.nn.Module:
     """The MLP with tensor parallelism over pairs of ranks (when n is even) and FSDP2 over
     the rest, every parameter a DTensor on the 2-D mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     tp = 2 if n % 2 == 0 else 1
-    mesh = init_device_mesh("cpu", (n // tp, tp), mesh_dim_names=("dp", "tp"))
-    model = M.make_mlp()
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                               "down": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    parallelize_module(model.head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
-    fully_shard(model, mesh=mesh["dp"])
-    return model
+    return M.tp_fsdp_mlp(n // tp, tp)[0]
 
 
 @pytest.mark.mpi(min_size=2)

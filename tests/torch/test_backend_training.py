@@ -162,27 +162,10 @@ def test_fsdp2_meta_init_full_state_dict_and_clipping(world):
 
 @pytest.mark.mpi(min_size=2)
 def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     rank, n = world
     dp = 2 if n == 4 else 1
-    tp = n // dp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model, plain = M.make_mlp(), M.make_mlp()
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                               "down": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    # The head too, so that every parameter lives on the 2-D mesh (clipping needs one mesh).
-    parallelize_module(model.head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
-    fully_shard(model, mesh=mesh["dp"])
+    model, mesh = M.tp_fsdp_mlp(dp, n // dp)
+    plain = M.make_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     d = mesh["dp"].get_local_rank()

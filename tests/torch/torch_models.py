@@ -123,6 +123,31 @@ def make_chain(stages: int, seed: int = 0) -> Chain:
     return Chain(stages).double()
 
 
+def tp_fsdp_mlp(dp: int, tp: int):
+    """The MLP (``make_mlp``) on a (dp, tp) DeviceMesh: each block's linears split column-
+    and row-wise over tp, the head column-wise with a replicated output (so every parameter
+    lives on the 2-D mesh, as clipping needs), FSDP2 over dp. Returns (model, mesh).
+    Collective over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = make_mlp()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    parallelize_module(model.head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
 def make(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = TinyGPT() if kind == "gpt" else BNNet()
