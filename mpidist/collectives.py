@@ -39,6 +39,7 @@ __all__ = [
     "debug_enabled",
     "allgather",
     "allgather_inplace",
+    "allgather_varied",
     "allreduce",
     "broadcast",
     "iallgather",
@@ -617,6 +618,28 @@ def allgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = Non
     if _debug:
         _maybe_check(comm, "allgather_inplace", buf)
     comm.Allgather(_mpi().IN_PLACE, _flat(buf))
+    return buf
+
+
+def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> Any:
+    """In-place allgather of segments of different lengths: rank r's input is its segment
+    of ``counts[r]`` elements of ``buf`` (segments in rank order); returns ``buf`` with
+    every segment filled. Collective over ``comm``; every rank passes the same ``counts``.
+    Always flat (the two-level stages need equal segments)."""
+    _check_array(buf, "allgather buffer")
+    n = _size(comm)
+    if len(counts) != n or sum(counts) != buf.size or min(counts, default=0) < 0:
+        raise ValueError(f"allgather counts {list(counts)[:8]} do not split {buf.size} "
+                         f"elements over {n} ranks")
+    if n == 1:
+        return buf
+    if _debug:
+        _maybe_check(comm, "allgather_varied", buf, f" counts={list(counts)[:8]}")
+    host, back = _to_host(buf)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+    comm.Allgatherv(_mpi().IN_PLACE, [_flat(host), (list(counts), displs)])
+    if back is not None:
+        back(host)
     return buf
 
 

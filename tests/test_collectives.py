@@ -112,6 +112,19 @@ def test_reduce_scatter_into_out_and_inplace_allgather(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_allgather_varied_segments_of_any_length(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    counts = [(k * 3) % 4 for k in range(n)]  # 0, 3, 2, 1, 0, ...: empty segments too
+    buf = np.full(sum(counts), -1, dtype=np.int16)
+    lo = sum(counts[:r])
+    buf[lo:lo + counts[r]] = r
+    assert C.allgather_varied(buf, counts, comm=comm) is buf
+    np.testing.assert_array_equal(buf, np.repeat(np.arange(n), counts))
+    with pytest.raises(ValueError, match="do not split"):
+        C.allgather_varied(buf, counts[:-1], comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_allgather_any_dtype_uint16(comm):
     n, r = comm.Get_size(), comm.Get_rank()
     half = np.full(3, r, dtype=np.float16).view(np.uint16)

@@ -46,6 +46,7 @@ __all__ = [
     "spec",
     "watch",
     "words",
+    "words_array",
 ]
 
 RedOpType = dist.ReduceOp.RedOpType
@@ -77,6 +78,12 @@ _BOOL_OPS = {
     RedOpType.BXOR: "LXOR",
 }
 _BITWISE = {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
+# Reductions mpidist.collectives runs (on its reducible types): op -> its name there. AVG is
+# a sum there, divided here (once, truncated for integers); PREMUL_SUM's inputs are scaled
+# before.
+_PLAIN_OPS = {RedOpType.SUM: "sum", RedOpType.AVG: "sum", RedOpType.PREMUL_SUM: "sum",
+              RedOpType.MIN: "min", RedOpType.MAX: "max"}
+_PLAIN_TYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
 _ORDERED = {RedOpType.MIN, RedOpType.MAX}
 
 
@@ -84,6 +91,20 @@ def mpi_type(dtype: torch.dtype) -> Any:
     """The MPI datatype that reduces ``dtype`` (None for dtypes MPI cannot reduce)."""
     name = _REDUCE_TYPES.get(dtype)
     return None if name is None else getattr(mpi(), name)
+
+
+_WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def words_array(t: torch.Tensor) -> Any:
+    """A NumPy view of a contiguous CPU tensor's bytes as integer words of its element size
+    (8-byte words for larger elements): what mpidist.collectives moves bit for bit."""
+    flat = t.detach().reshape(-1)
+    size = t.element_size()
+    word = _WORD_TYPES.get(size, torch.int64 if size % 8 == 0 else torch.uint8)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=word).numpy()
+    return flat.view(word).numpy()
 
 
 def words(dtype: torch.dtype) -> tuple[Any, int]:
@@ -186,6 +207,8 @@ class Reduction:
         if self.datatype is None:
             raise ValueError(f"{what}: the mpidist backend cannot reduce {dtype} tensors")
         self.avg = kind == RedOpType.AVG
+        # the op mpidist.collectives runs for this reduction (None: MPI's own op, here)
+        self.plain = _PLAIN_OPS.get(kind) if self.wire in _PLAIN_TYPES else None
         self.factor: Any = op.factor if kind == RedOpType.PREMUL_SUM else None
         self.name = name
 

@@ -25,7 +25,16 @@ from mpidist.comms import mpi
 from mpidist.torch import ops
 from mpidist.torch._common import overlap
 from mpidist.torch.mixed import handoff, make_backend, parse_config
-from mpidist.torch.ops import Work, as_host, counts_spec, reduction, scratch, spec, write_back
+from mpidist.torch.ops import (
+    Work,
+    as_host,
+    counts_spec,
+    reduction,
+    scratch,
+    spec,
+    words_array,
+    write_back,
+)
 
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators"]
 
@@ -306,7 +315,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
             wire = torch.cat([red.prepare(t).reshape(-1) for t in tensors])
 
         def body(comm: Any) -> None:
-            comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
+            if red.plain is not None:
+                C.allreduce(wire.detach().numpy(), red.plain, comm=comm)
+            else:
+                comm.Allreduce(mpi().IN_PLACE, spec(wire, red.datatype), red.mpi_op)
             red.finish(wire, self._n)
             if len(tensors) == 1:
                 write_back(tensors[0], wire)
@@ -374,8 +386,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
         wire_out = scratch(output) if direct else torch.empty(output.shape, dtype=red.wire)
 
         def body(comm: Any) -> None:
-            comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
-                                      spec(wire_out, red.datatype), red.mpi_op)
+            if red.plain == "sum":
+                C.reduce_scatter(wire_in.detach().numpy(), "sum", comm=comm,
+                                 out=wire_out.detach().numpy())
+            else:
+                comm.Reduce_scatter_block(spec(wire_in, red.datatype, parts=n),
+                                          spec(wire_out, red.datatype), red.mpi_op)
             red.finish(wire_out, n, out=output)
 
         call = self._on("reduce_scatter_tensor", input, extra=red.name)
@@ -404,7 +420,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         buf = as_host(t) if self._r == root else scratch(t)
 
         def body(comm: Any) -> None:
-            comm.Bcast(spec(buf), root)
+            C.broadcast(words_array(buf), root, comm=comm)
             if self._r != root:
                 write_back(t, buf)
 
@@ -416,11 +432,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         t, outs = _one(inputs, "all_gather"), _one(outputs, "all_gather")
         self._gather_lists("all_gather", t, outs)
         counts = [o.numel() for o in outs]
-        src = as_host(t)
         buf = torch.empty(sum(counts), dtype=t.dtype)
+        mine = buf[sum(counts[:self._r]):sum(counts[:self._r + 1])]
 
         def body(comm: Any) -> None:
-            comm.Allgatherv(spec(src), counts_spec(buf, counts))
+            mine.copy_(t.detach().reshape(-1))
+            words = words_array(buf)
+            per = words.size // buf.numel() if buf.numel() else 1
+            C.allgather_varied(words, [c * per for c in counts], comm=comm)
             for o, piece in zip(outs, buf.split(counts), strict=True):
                 write_back(o, piece)
 
@@ -462,9 +481,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
         def body(comm: Any) -> None:
             if in_place:
-                comm.Allgather(mpi().IN_PLACE, spec(out, parts=n))
+                C.allgather_inplace(words_array(out), comm=comm)
             else:
-                comm.Allgather(spec(src), spec(out, parts=n))
+                C.allgather(words_array(src), comm=comm, out=words_array(out))
             write_back(output, out)
 
         return self._run(self._on("all_gather_into_tensor", input), body, [output], opts)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpidist import collectives as C
 from mpidist.torch._common import agree, host_view, resolve_comm
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -216,7 +217,6 @@ class _Layout:
 
     def __init__(self, per_rank: list[list[torch.Tensor]]) -> None:
         self.counts = [sum(p.numel() for p in ps) for ps in per_rank]
-        self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         first = next(p for ps in per_rank for p in ps)
         self.flat = torch.empty(sum(self.counts), dtype=first.dtype, device=first.device)
         offset = 0
@@ -232,10 +232,7 @@ class _Layout:
         """Every rank's segment to every rank, in place. Collective over ``comm``."""
         if comm.Get_size() == 1:
             return
-        from mpi4py import MPI
-
-        host = self.view.to_host()
-        comm.Allgatherv(MPI.IN_PLACE, [host, (self.counts, self.displs.tolist())])
+        C.allgather_varied(self.view.to_host(), self.counts, comm=comm)
         self.view.to_device()
 
 

@@ -482,3 +482,40 @@ def test_overlap_runs_async_calls_on_a_thread_in_issue_order(world, monkeypatch)
     w.wait()
     assert out.tolist() == [float(r) for r in range(n) for _ in range(2)]
     dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_collectives_take_two_levels_across_nodes(world, monkeypatch):
+    """The backend's reductions and gathers are mpidist.collectives': on a group spanning
+    nodes (declared here: two halves) they run in two levels, with the flat results."""
+    from mpidist import topology
+
+    rank, n = world
+    if n % 2:
+        pytest.skip("two nodes of equal size need an even world")
+    ran = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
+    for kind in ran:
+        real = getattr(topology, f"{kind}_stages")
+
+        def counted(*args, _real=real, _kind=kind):
+            ran[_kind] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(topology, f"{kind}_stages", counted)
+    monkeypatch.setenv("MPIDIST_COLLECTIVES", "hierarchical")
+    g = dist.new_group()
+    topology.set_node_map(g.comm, [2 * r // n for r in range(n)])
+    xs = [torch.arange(13, dtype=torch.float64) * (r + 1) for r in range(n)]
+    t = xs[rank].clone()
+    dist.all_reduce(t, group=g)
+    assert torch.equal(t, fold(R.SUM, xs))
+    big = [torch.arange(4.0 * n) + r for r in range(n)]
+    out = torch.empty(4)
+    dist.reduce_scatter_tensor(out, big[rank], op=R.AVG, group=g)
+    assert torch.equal(out, (fold(R.SUM, big) / n)[4 * rank:4 * rank + 4])
+    shard = torch.full((3,), rank + 0.5, dtype=torch.bfloat16)
+    full = torch.empty(3 * n, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(full, shard, group=g)
+    assert full.tolist() == [r + 0.5 for r in range(n) for _ in range(3)]
+    assert all(ran.values()), ran
+    dist.destroy_process_group(g)
