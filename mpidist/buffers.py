@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ __all__ = [
     "make_buckets",
     "TensorSpec",
     "padded_length",
+    "row_range",
     "shard_range",
     "shard_size",
 ]
@@ -56,6 +58,24 @@ def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
     if not 0 <= rank < n:
         raise ValueError(f"rank={rank} is outside a group of size {n}")
     return rank * s, (rank + 1) * s
+
+
+def row_range(rows: int, rank: int, n: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of rank ``rank`` when ``rows`` rows are split over ``n`` ranks the
+    way ``torch.chunk`` (and so torch's ``Shard(0)``) splits them: ``shard_size(rows, n)``
+    rows each, the last ranks fewer or none, no padding."""
+    s = shard_size(rows, n)
+    if not 0 <= rank < n:
+        raise ValueError(f"rank={rank} is outside a group of size {n}")
+    lo = min(rank * s, rows)
+    return lo, min(lo + s, rows)
+
+
+def _check_bytes(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{what}={value!r} must be an integer")
+    if value <= 0:
+        raise ValueError(f"{what}={value} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -90,7 +110,8 @@ class Bucket:
 
 
 def make_buckets(
-    specs: Iterable[TensorSpec], total: int, bucket_bytes: int, itemsize: int
+    specs: Iterable[TensorSpec], total: int, bucket_bytes: int, itemsize: int,
+    first_bytes: int | None = None,
 ) -> list[Bucket]:
     """Contiguous buckets of about ``bucket_bytes`` over a flat range ``[0, total)``.
 
@@ -98,19 +119,21 @@ def make_buckets(
     gradients) and never split a tensor; a tensor larger than the bucket size gets a bucket
     of its own. Gaps between tensors (padding) fall into a neighbouring bucket, and the first
     bucket runs to ``total``, so the buckets together cover ``[0, total)`` exactly once.
+    ``first_bytes``: a smaller size for the first bucket, so that its communication starts
+    early in backward (torch's DDP: 1 MiB).
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)):
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an integer")
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    _check_bytes("bucket_bytes", bucket_bytes)
+    if first_bytes is not None:
+        _check_bytes("first_bytes", first_bytes)
     limit = max(1, bucket_bytes // itemsize)
+    first = limit if first_bytes is None else min(limit, max(1, first_bytes // itemsize))
     ordered = sorted(specs, key=lambda sp: sp.offset, reverse=True)
     buckets: list[Bucket] = []
     stop = total
     names: list[str] = []
     start = stop
     for spec in ordered:
-        if names and stop - spec.offset > limit:
+        if names and stop - spec.offset > (limit if buckets else first):
             buckets.append(Bucket(len(buckets), start, stop, tuple(names)))
             stop, names = start, []
         names.append(spec.name)

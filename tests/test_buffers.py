@@ -3,7 +3,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpidist.buffers import FlatBuffer, padded_length, shard_range, shard_size
+from mpidist.buffers import (
+    FlatBuffer,
+    TensorSpec,
+    make_buckets,
+    padded_length,
+    row_range,
+    shard_range,
+    shard_size,
+)
 
 
 def make(pad_to=1, dtype=np.float64):
@@ -90,3 +98,26 @@ def test_like_and_external_storage():
     ext = FlatBuffer([("x", (10,))], np.float64, data=store)
     ext["x"][:] = 1
     assert store[:10].sum() == 10
+
+
+@pytest.mark.parametrize("rows,n", [(10, 3), (7, 4), (3, 5), (0, 2), (8, 4)])
+def test_row_range_splits_as_torch_chunk(rows, n):
+    torch = pytest.importorskip("torch")
+    pieces = torch.arange(rows).chunk(n) if rows else ()
+    for rank in range(n):
+        lo, hi = row_range(rows, rank, n)
+        expected = pieces[rank].tolist() if rank < len(pieces) else []
+        assert list(range(lo, hi)) == expected
+    with pytest.raises(ValueError, match="rank=3"):
+        row_range(rows, 3, 3)
+
+
+def test_first_bucket_may_be_smaller():
+    specs = [TensorSpec(f"t{i}", (100,), 100 * i) for i in range(10)]
+    plain = make_buckets(specs, 1000, 400 * 8, 8)
+    early = make_buckets(specs, 1000, 400 * 8, 8, first_bytes=100 * 8)
+    assert [b.size for b in plain] == [400, 400, 200]
+    assert [b.size for b in early] == [100, 400, 400, 100]
+    assert early[0].names == ("t9",)
+    with pytest.raises(ValueError, match="first_bytes=0"):
+        make_buckets(specs, 1000, 400, 8, first_bytes=0)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from mpidist import checkpoint as ckpt
+from mpidist.buffers import row_range
 from mpidist.torch._common import numpy_dtype, resolve_comm
 from mpidist.torch.ddp import DistributedDataParallel
 from mpidist.torch.zero import ZeroRedundancyOptimizer
@@ -75,8 +76,8 @@ class _Rows:
         start, stop = 0, self.shape[0] if self.shape else 1
         coordinate = (self.mesh.get_coordinate() or ()) if t.dim() else ()
         for dim, c in enumerate(coordinate):
-            chunk = -(-(stop - start) // self.mesh.size(dim))  # torch's Shard: ceil(n / k)
-            start, stop = min(start + c * chunk, stop), min(start + (c + 1) * chunk, stop)
+            lo, hi = row_range(stop - start, c, self.mesh.size(dim))
+            start, stop = start + lo, start + hi
         row = int(np.prod(self.shape[1:])) if self.shape else 1
         self.local_shape = (stop - start, *self.shape[1:]) if self.shape else ()
         self.flat = slice(start * row, stop * row)
@@ -256,11 +257,9 @@ def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
                 pieces.append(ckpt.Piece(e.name, e.flat, data))
             continue
         who = holders[e.name]  # ranks with the whole tensor: each writes an even share
-        n, k = data.size, len(who)
-        share = -(-n // k) if n else 0
         i = who.index(rank)
-        lo, hi = min(i * share, n), min((i + 1) * share, n)
-        if hi > lo or (n == 0 and i == 0):
+        lo, hi = row_range(data.size, i, len(who))
+        if hi > lo or (data.size == 0 and i == 0):
             pieces.append(ckpt.Piece(e.name, slice(lo, hi), data[lo:hi]))
     return ckpt.save_checkpoint(path, tensors, pieces, attrs, comm=comm, keep=keep)
 

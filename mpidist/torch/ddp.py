@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mpidist import collectives as C
+from mpidist.buffers import TensorSpec, make_buckets
 from mpidist.torch._common import (
     agree,
     broadcast_tensors,
@@ -278,25 +279,20 @@ def _wrap_error(module: torch.nn.Module, device_ids: Any, bucket_cap_mb: Any) ->
 
 def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
     """Buckets of consecutive parameters in reverse registration order, one dtype and device
-    each, the first at most 1 MiB and the others at most ``cap`` bytes (a larger parameter
-    gets a bucket of its own)."""
-    buckets: list[_Bucket] = []
-    open_: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    first = True
-    for p in reversed(params):
-        key = (p.dtype, p.device)
-        run = open_.setdefault(key, [])
-        limit = min(cap, _FIRST_BUCKET_BYTES) if first else cap
-        nbytes = p.numel() * p.element_size()
-        if run and sizes[key] + nbytes > limit:
-            buckets.append(_Bucket(run))
-            first = False
-            run = open_[key] = []
-            sizes[key] = 0
-        run.append(p)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    for run in open_.values():
-        if run:
-            buckets.append(_Bucket(run))
-    return buckets
+    each (mpidist.buffers.make_buckets over each dtype's parameters), the first of each at
+    most 1 MiB and the others at most ``cap`` bytes (a larger parameter gets a bucket of its
+    own); ordered by when backward fills them."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(params):
+        kinds.setdefault((p.dtype, p.device), []).append(i)
+    buckets: list[tuple[int, _Bucket]] = []
+    for (dtype, _), indices in kinds.items():
+        specs, offset = [], 0
+        for i in indices:
+            specs.append(TensorSpec(str(i), tuple(params[i].shape), offset))
+            offset += params[i].numel()
+        for b in make_buckets(specs, offset, cap, dtype.itemsize,
+                              first_bytes=_FIRST_BUCKET_BYTES):
+            members = [int(name) for name in b.names]
+            buckets.append((-max(members), _Bucket([params[i] for i in members])))
+    return [b for _, b in sorted(buckets, key=lambda kb: kb[0])]

@@ -40,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mpidist import collectives as C
+from mpidist.buffers import row_range, shard_size
 from mpidist.torch._common import agree, broadcast_tensors, host_view, overlap, resolve_comm
 
 __all__ = ["FSDPModule", "ShardInfo", "fully_shard", "gathered_bytes"]
@@ -68,7 +69,8 @@ class _Param:
         self.shape = tuple(p.shape)
         self.rows = self.shape[0] if self.shape else 1
         self.row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
-        self.chunk = -(-self.rows // n)          # rows per rank (the last ranks may get fewer)
+        self.n = n
+        self.chunk = shard_size(self.rows, n)    # rows per rank (the last ranks may get fewer)
         self.seg = self.chunk * self.row          # elements per rank in the unit's segment
         self.numel = p.numel()
         self.requires_grad = p.requires_grad
@@ -79,8 +81,7 @@ class _Param:
         self.full_off = 0                         # offset in the unit's full flat tensor
 
     def local_rows(self, rank: int) -> tuple[int, int]:
-        lo = min(rank * self.chunk, self.rows)
-        return lo, min(lo + self.chunk, self.rows)
+        return row_range(self.rows, rank, self.n)
 
 
 class _Unit:
