@@ -121,19 +121,25 @@ def words(dtype: torch.dtype) -> tuple[Any, int]:
 def as_host(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with ``t``'s values: ``t`` itself when it already is one.
 
-    A CUDA tensor is copied after its stream (torch's copy waits for the current stream),
-    so MPI never reads device memory that a kernel is still writing."""
+    A CUDA tensor is staged in pinned host memory (torch's caching host allocator) by a
+    blocking copy on the current stream: it starts after the kernels queued there and
+    returns when the values are on the host, so MPI never reads memory still being
+    written. (As with torch's own backends, work on other streams must be ordered before
+    the call by the caller.)"""
     if t.device.type == "cpu" and t.is_contiguous():
         return t
-    return t.detach().to("cpu", copy=False).contiguous()
+    host = scratch(t)
+    host.copy_(t.detach())
+    return host
 
 
 def scratch(t: torch.Tensor) -> torch.Tensor:
     """An output buffer for ``t``: ``t`` itself when MPI can write it directly, else a
-    contiguous CPU tensor whose result :func:`write_back` copies into ``t``."""
+    contiguous CPU tensor (pinned for a CUDA tensor) whose result :func:`write_back`
+    copies into ``t``."""
     if t.device.type == "cpu" and t.is_contiguous():
         return t
-    return torch.empty(t.shape, dtype=t.dtype)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
 
 
 def write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
