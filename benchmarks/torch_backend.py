@@ -8,8 +8,10 @@ Usage::
 
 Training: the models of ``torch_models.py`` (a GPT of 0.83 M parameters, compute-bound; an
 MLP of 3.48 M, gradient-bound), float32, Adam, one thread a rank, trained the same steps
-six ways in alternating rounds (each keeps its best median step over the rounds):
-``floor`` (the plain module on the rank's local batch, no communication), torch's
+eight ways in alternating rounds (each keeps its best median step over the rounds):
+``floor`` (the plain module on the rank's local batch, no communication), ``solo-fsdp``
+(``fully_shard`` over a group of the rank alone: FSDP2's own work on DTensor parameters, the
+same local batch, no communication: fully_shard's floor), torch's
 ``DistributedDataParallel`` and ``fully_shard`` on a gloo group, the same two on the
 "mpidist" default group, and both again on an "mpidist" group whose asynchronous calls run on
 a communication thread (``MPIDIST_TORCH_OVERLAP=1``). The step time is the slowest rank's.
@@ -60,8 +62,8 @@ import mpidist.torch  # noqa: E402,F401 - registers the backend
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-KINDS = ("floor", "gloo-ddp", "mpidist-ddp", "overlap-ddp", "gloo-fsdp", "mpidist-fsdp",
-         "overlap-fsdp")
+KINDS = ("floor", "gloo-ddp", "mpidist-ddp", "overlap-ddp", "solo-fsdp", "gloo-fsdp",
+         "mpidist-fsdp", "overlap-fsdp")
 
 
 def say(*a: object) -> None:
@@ -70,13 +72,16 @@ def say(*a: object) -> None:
 
 
 def make_groups() -> dict[str, dist.ProcessGroup | None]:
-    """The default "mpidist" group (blocking), one with the communication thread, gloo's."""
+    """The default "mpidist" group (blocking), one with the communication thread, gloo's, and
+    each rank alone ("solo": fully_shard's own work without communication)."""
     os.environ["MPIDIST_TORCH_OVERLAP"] = "0"
     dist.init_process_group("mpidist")
     os.environ["MPIDIST_TORCH_OVERLAP"] = "1"
     overlap = dist.new_group(backend="mpidist")
     os.environ["MPIDIST_TORCH_OVERLAP"] = "0"
-    return {"mpidist": None, "overlap": overlap, "gloo": dist.new_group(backend="gloo")}
+    solo, _ = dist.new_subgroups(group_size=1)
+    return {"mpidist": None, "overlap": overlap, "gloo": dist.new_group(backend="gloo"),
+            "solo": solo}
 
 
 def build(kind: str, name: str, groups: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -120,7 +125,8 @@ def bench_model(name: str, groups: dict) -> dict:
     ref = results["gloo-ddp"]["losses"]
     say(f"{'variant':<14} {'step ms':>9} {'/ gloo':>8} {'/ floor':>8} {'max |dloss|':>12}")
     for kind, r in results.items():
-        peer = results.get("gloo-" + kind.split("-")[-1]) if kind != "floor" else None
+        solo = kind in ("floor", "solo-fsdp")
+        peer = results.get("gloo-" + kind.split("-")[-1]) if not solo else None
         ratio = r["step_s"] / peer["step_s"] if peer and peer is not r else float("nan")
         r["vs_gloo"], r["vs_floor"] = ratio, r["step_s"] / floor
         diff = max(abs(a - b) for a, b in zip(r["losses"], ref, strict=True))
