@@ -1,5 +1,7 @@
 """The process group of the "mpidist" backend: each torch.distributed operation as MPI calls
 on the group's own communicators (see :mod:`mpidist.torch.backend` for the whole picture).
+Sums, minima and maxima of the types mpidist.collectives reduces, all-gathers and broadcasts
+are mpidist.collectives' calls (two levels across nodes); the rest are MPI's own.
 
 Argument conventions are those of torch's ``ProcessGroup`` methods, which torch's Python
 API and its C++ callers (DDP's reducer, functional collectives) invoke: lists of tensors and
