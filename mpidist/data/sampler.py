@@ -2,9 +2,11 @@
 
 A run is defined by its global batch size ``B`` and seed. Epoch ``e`` visits the samples in
 the order of a permutation drawn from ``(seed, e)``; step ``k`` of the epoch takes positions
-``[k*B, (k+1)*B)`` of it. Data-parallel rank ``r`` of ``n`` takes the contiguous slice
-``[r*B/n, (r+1)*B/n)`` of that global batch, so concatenating the ranks' slices in rank order
-gives back the global batch exactly, whatever ``n`` is. Nothing here communicates.
+``[k*B, (k+1)*B)`` of it. Data-parallel rank ``r`` of ``n`` takes a contiguous slice of that
+global batch: ``B // n`` samples, one more on the first ``B % n`` ranks (:func:`split_points`),
+so concatenating the ranks' slices in rank order gives back the global batch exactly, whatever
+``n`` is, and no sample is dropped or repeated when ``n`` does not divide ``B``. Nothing here
+communicates.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GlobalBatchSampler", "micro_batches"]
+__all__ = ["GlobalBatchSampler", "check_local_sizes", "micro_batches", "split_points"]
 
 
 def _nonneg_int(value: object, what: str) -> int:
@@ -23,17 +25,45 @@ def _nonneg_int(value: object, what: str) -> int:
     return int(value)
 
 
+def split_points(n: int, parts: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` of ``parts`` contiguous pieces of ``n`` items whose sizes
+    differ by at most one: ``n // parts`` each, one more for the first ``n % parts``. Pure.
+
+    Raises ValueError when ``parts`` is not a positive integer or exceeds ``n`` (a piece
+    would be empty).
+    """
+    n = _nonneg_int(n, "n")
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
+        raise ValueError(f"parts={parts!r} must be a positive integer")
+    if parts > n:
+        raise ValueError(f"{n} items cannot be split into {parts} non-empty parts")
+    q, r = divmod(n, int(parts))
+    return [i * q + min(i, r) for i in range(int(parts) + 1)]
+
+
+def check_local_sizes(sizes: Any, m: int) -> None:
+    """Raise ValueError unless every data-parallel rank's local batch (``sizes[r]`` samples)
+    has at least ``m`` samples, one per micro-batch. Pure; the message names the rank."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    r = int(np.argmin(sizes))
+    if sizes[r] < max(int(m), 1):
+        raise ValueError(
+            f"data-parallel rank {r} has a local batch of {int(sizes[r])} samples, fewer than "
+            f"micro_batches={m} (each micro-batch needs at least one sample)"
+        )
+
+
 def micro_batches(indices: np.ndarray, m: int) -> list[np.ndarray]:
-    """Split ``indices`` into ``m`` equal contiguous parts (ValueError if ``m`` doesn't divide)."""
+    """Split ``indices`` into ``m`` contiguous parts whose sizes differ by at most one
+    (:func:`split_points`); ValueError if ``m`` is not positive or exceeds ``len(indices)``."""
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
         raise ValueError(f"number of micro-batches m={m!r} must be a positive integer")
     n = len(indices)
-    if n % m:
-        raise ValueError(
-            f"a batch of {n} samples cannot be split into m={m} equal micro-batches"
-        )
-    s = n // m
-    return [indices[i * s : (i + 1) * s] for i in range(m)]
+    if n < m:
+        raise ValueError(f"a batch of {n} samples cannot be split into m={m} non-empty "
+                         "micro-batches")
+    cuts = split_points(n, m)
+    return [indices[cuts[i]:cuts[i + 1]] for i in range(m)]
 
 
 class GlobalBatchSampler:
@@ -117,26 +147,27 @@ class GlobalBatchSampler:
         return np.take(perm, np.arange(lo, hi) % self.n_samples)
 
     def check_dp_size(self, dp_size: int) -> int:
-        """Validate that ``dp_size`` ranks can share every global batch equally."""
+        """Validate that ``dp_size`` ranks can each get at least one sample of every global
+        batch. Any size up to the global batch works: the slices differ by at most one."""
         if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
             raise ValueError(f"dp_size={dp_size!r} must be a positive integer")
-        if self.global_batch_size % dp_size:
+        if dp_size > self.global_batch_size:
             raise ValueError(
-                f"global batch size B={self.global_batch_size} is not divisible by "
-                f"dp_size={dp_size}: every data-parallel rank needs an equal slice of the "
-                "global batch; choose B as a multiple of the data-parallel size"
+                f"global batch size B={self.global_batch_size} is smaller than dp_size="
+                f"{dp_size}: every data-parallel rank needs at least one sample"
             )
         return int(dp_size)
 
     def local_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
-        """Rank ``dp_rank``'s contiguous slice of global step ``step`` (B / dp_size samples)."""
+        """Rank ``dp_rank``'s contiguous slice of global step ``step``: ``B // dp_size``
+        samples, one more on the first ``B % dp_size`` ranks."""
         dp_size = self.check_dp_size(dp_size)
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)):
             raise ValueError(f"dp_rank={dp_rank!r} must be an integer")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside a data-parallel group of {dp_size}")
-        s = self.global_batch_size // dp_size
-        return self.global_indices(step)[dp_rank * s : (dp_rank + 1) * s]
+        cuts = split_points(self.global_batch_size, dp_size)
+        return self.global_indices(step)[cuts[dp_rank]:cuts[dp_rank + 1]]
 
     micro_batches = staticmethod(micro_batches)
 

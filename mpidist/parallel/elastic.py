@@ -21,7 +21,8 @@ communicator whose membership may change between steps:
   that stay and sent to the joiners in pieces, one from each old worker. The strategy's
   model is rebuilt on a new :class:`~mpidist.mesh.ProcessMesh` over the new communicator.
 
-The global batch never changes (the local batch is ``global / n``), so by the world-size
+The global batch never changes (each worker's local batch is its slice of it, ``global / n``
+samples, one more on the first ``global % n`` workers), so by the world-size
 invariance of every strategy the trajectory after a change is the uninterrupted one.
 
 A change that would leave fewer than ``min_workers`` or more than ``max_workers`` is refused

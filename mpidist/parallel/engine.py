@@ -29,6 +29,7 @@ import numpy as np
 
 from mpidist import collectives as C
 from mpidist.buffers import ShardedLayout
+from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.loop import run_steps
@@ -379,6 +380,8 @@ class ShardedOptimizer(TrainingStateMixin):
         self._pieces: list[tuple[np.ndarray, np.ndarray, OptimizerState]] = []
         self.step_count = 0
         self.sampler: Any = None
+        #: (this rank's loss count, the global batch's) of the last step's batch
+        self.batch_share: tuple[int, int] = (0, 0)
         self._data_state: dict[str, Any] | None = None
         self.timers = {"compute": 0.0, "communication": 0.0, "update": 0.0}
 
@@ -425,25 +428,24 @@ class ShardedOptimizer(TrainingStateMixin):
         return self.wrap(model)
 
     # -- one step ----------------------------------------------------------------------
-    def _check_batch(self, model: ShardedModel, x: Any, y: Any) -> int:
-        """Validate the local batch; same answer on every rank. Returns its sample count."""
+    def _check_batch(self, model: ShardedModel, x: Any, y: Any) -> tuple[int, int]:
+        """Validate the local batch; same answer on every rank (one small allreduce over dp).
+
+        Returns ``(b, total)``: this rank's sample count and the loss normaliser of the
+        whole global batch (its samples, or tokens for integer targets), summed over dp.
+        Local batches may differ in size (a global batch that does not divide into the
+        ranks); each needs at least ``micro_batches`` samples.
+        """
         b = len(x)
         m = self.config.micro_batches
         if len(y) != b:
             raise ValueError(f"inputs have {b} samples but targets have {len(y)}")
-        sizes = np.array([b, -b], dtype=np.int64)
-        C.allreduce(sizes, "max", comm=model.comm)
-        if sizes[0] != -sizes[1]:
-            raise ValueError(
-                f"local batch sizes differ between data-parallel ranks (from {-sizes[1]} to "
-                f"{sizes[0]}); give every rank the same number of samples"
-            )
-        if b == 0 or b % m:
-            raise ValueError(
-                f"local batch of {b} samples does not divide into micro_batches={m}"
-            )
-        return b
-
+        n, r = model.dp_size, model.dp_rank
+        table = np.zeros(2 * n, dtype=np.int64)
+        table[r], table[n + r] = b, self._count(y, self.loss)
+        C.allreduce(table, "sum", comm=model.comm)
+        check_local_sizes(table[:n], m)
+        return b, int(table[n:].sum())
     @staticmethod
     def _count(y: np.ndarray, loss: Any) -> int:
         """Samples the loss normalises by in one call (tokens for integer targets)."""
@@ -452,12 +454,19 @@ class ShardedOptimizer(TrainingStateMixin):
             return int(y.size)
         return int(y.shape[0]) if y.ndim else 1
 
+    def _eval_count(self, y: np.ndarray, global_batch_size: int) -> int:
+        """The loss normaliser of a whole global batch whose local slice has targets ``y``
+        (every sample has as many targets as these); no communication."""
+        return self._count(y, self.loss) // max(len(y), 1) * int(global_batch_size)
+
     def step(self, model: Any, batch: tuple[Any, Any]) -> float:
         """One training step on this rank's local batch ``(x, y)``; returns the global loss.
 
         Collective over the data-parallel group: every rank passes its own slice of the
-        global batch (equal sizes). The returned loss is the loss of the whole global batch,
-        identical on every rank.
+        global batch (the slices may differ in size: each rank's loss and gradient are sums
+        over its samples divided by the global batch's count, and gradients are summed over
+        the ranks, so any split gives the same step). The returned loss is the loss of the
+        whole global batch, identical on every rank.
         """
         model = self._resolve(model)
         x, y = batch
@@ -484,20 +493,20 @@ class ShardedOptimizer(TrainingStateMixin):
         synchronised during the last one (never, with ``sync=False``: the communication-
         efficient strategies exchange them themselves); ``progress`` is called after each
         micro-batch. Returns this rank's share of the loss."""
-        b = self._check_batch(model, x, y)
+        b, normalizer = self._check_batch(model, x, y)
         m = self.config.micro_batches
-        normalizer = self._count(y, self.loss) * model.dp_size
         model.zero_grad()
         local_loss = 0.0
-        size = b // m
+        cuts = split_points(b, m)
         for i in range(m):
-            xs, ys = x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]
+            xs, ys = x[cuts[i]:cuts[i + 1]], y[cuts[i]:cuts[i + 1]]
             with model.sync_context(last=sync and i == m - 1):
                 out = model.forward(xs, ctx=i)
                 local_loss += self.loss.forward(out, ys, normalizer=normalizer, ctx=i)
                 model.backward(self.loss.backward(ctx=i), ctx=i)
             if progress is not None:
                 progress()
+        self.batch_share = (self._count(y, self.loss), normalizer)
         return local_loss
 
     def _lr(self) -> float | None:
@@ -584,7 +593,7 @@ class ShardedOptimizer(TrainingStateMixin):
         total = np.zeros(1)
         for step in range(batches):
             x, y = data.batch(sampler.local_indices(step, model.dp_rank, model.dp_size))
-            normalizer = self._count(y, self.loss) * model.dp_size * batches
+            normalizer = self._eval_count(y, global_batch_size) * batches
             out = model.forward(x, ctx="eval")
             total[0] += self.loss.forward(out, y, normalizer=normalizer, ctx="eval")
             model.module.clear_cache()

@@ -3,7 +3,8 @@
 One step on a mesh of ``pp × dp × tp`` ranks (design idea 3):
 
 1. every dp rank takes its slice of the global batch (all pp and tp ranks of one dp index
-   see the same samples) and splits it into ``config.micro_batches`` micro-batches;
+   see the same samples; slices differ by at most one sample when dp does not divide the
+   batch) and splits it into ``config.micro_batches`` micro-batches (likewise);
 2. the pp stages run the micro-batches through a GPipe or 1F1B schedule
    (:mod:`mpidist.parallel.pipeline`); inside a stage, the tensor-parallel layers of
    :mod:`mpidist.nn.tensor_parallel` communicate over tp; gradients accumulate over the
@@ -35,6 +36,7 @@ import numpy as np
 from mpidist import collectives as C
 from mpidist.buffers import ShardedLayout
 from mpidist.comms import world
+from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.ddp import DDPModel, ZeRO1Model
@@ -549,27 +551,31 @@ class HybridShardedOptimizer(ShardedOptimizer):
         return model
 
     # -- one step ----------------------------------------------------------------------------
-    def _check_batch(self, model: ShardedModel, x: Any, y: Any) -> int:
-        """Local checks first (no communication), then that every rank of the mesh has the
-        same local batch size (one small allreduce over the mesh)."""
+    def _check_batch(self, model: ShardedModel, x: Any, y: Any) -> tuple[int, int]:
+        """Local checks first (no communication), then one small allreduce over the mesh:
+        every pp and tp rank of a dp index has the same local batch size, and each has at
+        least ``micro_batches`` samples. Returns ``(b, total)``: this rank's sample count and
+        the loss normaliser of the global batch (summed over the dp indices)."""
         b = len(x)
-        m = self.config.micro_batches
         if len(y) != b:
             raise ValueError(f"inputs have {b} samples but targets have {len(y)}")
-        if b == 0 or b % m:
-            raise ValueError(
-                f"local batch of {b} samples does not divide into micro_batches={m}"
-            )
         assert isinstance(model, HybridModel)
-        sizes = np.array([b, -b], dtype=np.int64)
-        C.allreduce(sizes, "max", comm=model.mesh.comm)
-        if sizes[0] != -sizes[1]:
+        n, r = model.dp_size, model.dp_rank
+        # Per dp index: the largest and (negated) smallest size and count seen on its ranks.
+        table = np.full(4 * n, np.iinfo(np.int64).min, dtype=np.int64)
+        count = self._count(y, self.loss)
+        table[[r, n + r, 2 * n + r, 3 * n + r]] = b, -b, count, -count
+        C.allreduce(table, "max", comm=model.mesh.comm)
+        sizes, counts = table[:n], table[2 * n:3 * n]
+        if (sizes != -table[n:2 * n]).any() or (counts != -table[3 * n:]).any():
+            bad = int(np.argmax((sizes != -table[n:2 * n]) | (counts != -table[3 * n:])))
             raise ValueError(
-                f"local batch sizes differ between ranks (from {-sizes[1]} to {sizes[0]}); "
-                "every pp and tp rank of a dp index must get the same samples, and every dp "
-                "rank the same number"
+                f"local batch sizes differ between the pp and tp ranks of dp index {bad} (from "
+                f"{-table[n + bad]} to {sizes[bad]}); every pp and tp rank of a dp index must "
+                "get the same samples"
             )
-        return b
+        check_local_sizes(sizes, self.config.micro_batches)
+        return b, int(counts.sum())
 
     def _forward_backward(self, model: ShardedModel, x: Any, y: Any) -> float:
         """Every micro-batch through the pipeline schedule (forward and backward), gradients
@@ -577,14 +583,13 @@ class HybridShardedOptimizer(ShardedOptimizer):
         passes the local batch of its dp index (the same samples on all pp and tp ranks of
         that index). Returns the last stage's share of the loss, 0.0 on other stages."""
         assert isinstance(model, HybridModel)
-        b = self._check_batch(model, x, y)
-        m = self.config.micro_batches
-        normalizer = self._count(y, self.loss) * model.dp_size
-        size = b // m
+        b, normalizer = self._check_batch(model, x, y)
+        cuts = split_points(b, self.config.micro_batches)
         model.zero_grad()
+        self.batch_share = (self._count(y, self.loss), normalizer)
         return model.run_pipeline(
-            [x[i * size:(i + 1) * size] for i in range(m)],
-            [y[i * size:(i + 1) * size] for i in range(m)],
+            [x[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)],
+            [y[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)],
             self.loss, normalizer=normalizer, schedule=self.schedule)
 
     def _loss_group(self, model: ShardedModel) -> Any:
@@ -604,7 +609,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         total = np.zeros(1)
         for step in range(batches):
             x, y = data.batch(sampler.local_indices(step, model.dp_rank, model.dp_size))
-            normalizer = self._count(y, self.loss) * model.dp_size * batches
+            normalizer = self._eval_count(y, global_batch_size) * batches
             total[0] += model.run_pipeline([x], [y], self.loss, normalizer=normalizer,
                                            schedule=self.schedule, train=False)
         C.allreduce(total, "sum", comm=model.loss_comm)

@@ -40,11 +40,13 @@ class LocalSGDOptimizer(MeteredOptimizer):
     """Local SGD (a.k.a. periodic model averaging, Stich 2019; Lin et al. 2020).
 
     Each rank updates its replica with its own local-mean gradient (the rank's gradient,
-    normalised by the global batch, times the dp size, folded into the kernel's
-    ``grad_scale``) for ``sync_every`` steps; then the replicas are averaged with one
-    allreduce of the flat parameter buffer, and with ``average_optimizer_state`` the
-    optimizer state (momentum, Adam moments) travels in the same message. With
-    ``sync_every=1`` and SGD without momentum this is DDP up to rounding.
+    normalised by the global batch, times the global over the local batch size, folded into
+    the kernel's ``grad_scale``) for ``sync_every`` steps; then the replicas are averaged,
+    each weighted by its share of the global batch (equal weights when the batch divides
+    into the ranks), with one allreduce of the flat parameter buffer, and with
+    ``average_optimizer_state`` the optimizer state (momentum, Adam moments) travels in the
+    same message. With ``sync_every=1`` and SGD without momentum this is DDP up to rounding,
+    at any world size.
 
     ``step`` is collective over dp: it checks the batch sizes, returns the global loss
     (one 8-byte allreduce; ``sync_loss=False`` returns this replica's local-mean loss
@@ -73,17 +75,20 @@ class LocalSGDOptimizer(MeteredOptimizer):
         t0 = time.perf_counter()
         local_loss = self._forward_backward(model, x, y, sync=False)
         t1 = time.perf_counter()
-        n = model.dp_size
-        scale = float(n)
+        # The gradient is normalised by the global batch; the replica steps on its own
+        # batch's mean (the ranks' batches may differ in size).
+        local, total = self.batch_share
+        share = total / local
+        scale = share
         if self.config.max_grad_norm is not None:
-            norm = n * float(np.sqrt(model.grad_sq_norm()))
+            norm = share * float(np.sqrt(model.grad_sq_norm()))
             scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         self._apply_update(scale)
         self.step_count += 1
         t2 = time.perf_counter()
         if self.step_count % self.sync_every == 0:
             self.average_replicas()
-        loss = self._global_loss(model, local_loss) if self.sync_loss else local_loss * n
+        loss = self._global_loss(model, local_loss) if self.sync_loss else local_loss * share
         t3 = time.perf_counter()
         self.timers["compute"] += t1 - t0
         self.timers["update"] += t2 - t1
@@ -91,23 +96,28 @@ class LocalSGDOptimizer(MeteredOptimizer):
         return loss
 
     def average_replicas(self) -> None:
-        """Average the parameters (and, if configured, optimizer state) over dp.
+        """Average the parameters (and, if configured, optimizer state) over dp, each
+        replica weighted by its share of the last step's global batch.
 
         Collective over the dp group: one allreduce of one contiguous buffer.
         """
         model = self._require_model()
         assert self.state is not None
-        n = model.dp_size
+        local, total = self.batch_share
+        # Each replica weighs by its share of the global batch (1/n when the batch divides
+        # into the ranks, or before any step), so that with sync_every=1 and plain SGD the
+        # average is DDP's step also when the ranks' batches differ in size.
+        weight = local / total if total else 1.0 / model.dp_size
         bufs = [model.params]
         if self.average_optimizer_state:
             bufs += [b for _, b in sorted(self.state.buffers.items())]
         if len(bufs) == 1:
+            model.params *= model.dtype.type(weight)
             C.allreduce(model.params, "sum", comm=model.meter)
-            model.params *= model.dtype.type(1.0 / n)
         else:
             packed = np.concatenate(bufs)
+            packed *= packed.dtype.type(weight)
             C.allreduce(packed, "sum", comm=model.meter)
-            packed *= packed.dtype.type(1.0 / n)
             pos = 0
             for b in bufs:
                 b[:] = packed[pos:pos + b.size]

@@ -70,8 +70,9 @@ def run_steps(opt: Any, model: Any, data: Any, *, until: int, sampler: Any,
         loss = opt.step(model, (x, y))
         last = StepRecord(step=int(opt.step_count), loss=float(loss),
                           seconds=time.perf_counter() - t0,
-                          samples=len(idx) * model.dp_size,
-                          tokens=int(np.asarray(y).size) * model.dp_size)
+                          samples=sampler.global_batch_size,
+                          tokens=int(np.asarray(y).size) // max(len(idx), 1)
+                          * sampler.global_batch_size)
         steps += 1
         for fn in after:
             fn(model, last)

@@ -4,9 +4,9 @@ and an optimizer base with the measured ``bytes_sent`` counters.
 
 Loss convention (see :mod:`mpidist.parallel.engine`): each rank normalises its local loss
 by the global number of samples, so summing gradients over the dp group gives the global
-mean gradient, and a rank's own gradient times the dp size is its local-mean gradient.
-The base step's control messages (the 16-byte batch-size check and the 8-byte loss
-allreduce) do not go through the meter and are not counted.
+mean gradient, and a rank's own gradient times (global count / local count) is its
+local-mean gradient. The base step's control messages (the batch-size table, 16 bytes per
+rank, and the 8-byte loss allreduce) do not go through the meter and are not counted.
 """
 
 from __future__ import annotations

@@ -7,20 +7,44 @@ import json
 import numpy as np
 import pytest
 
-from mpidist.data import GlobalBatchSampler, micro_batches
+from mpidist.data import GlobalBatchSampler, check_local_sizes, micro_batches, split_points
 
 B = 24
 
 
-@pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dp_size", [1, 2, 3, 4, 5, 7, 24])
 def test_local_slices_concatenate_to_the_global_batch(dp_size: int) -> None:
     s = GlobalBatchSampler(100, B, seed=7)
     assert s.steps_per_epoch == 4
     # Steps 3 -> 4 and 7 -> 8 cross epoch boundaries.
     for step in (0, 1, 3, 4, 5, 7, 8, 13):
         parts = [s.local_indices(step, r, dp_size) for r in range(dp_size)]
-        assert all(len(p) == B // dp_size for p in parts)
+        # B // n each, one more on the first B % n ranks
+        assert [len(p) for p in parts] == [B // dp_size + (r < B % dp_size)
+                                           for r in range(dp_size)]
         np.testing.assert_array_equal(np.concatenate(parts), s.global_indices(step))
+
+
+def test_split_points_differ_by_at_most_one() -> None:
+    assert split_points(32, 3) == [0, 11, 22, 32]
+    assert split_points(32, 5) == [0, 7, 14, 20, 26, 32]
+    assert split_points(32, 7) == [0, 5, 10, 15, 20, 24, 28, 32]
+    assert split_points(6, 6) == list(range(7))
+    for n in range(1, 40):
+        for parts in range(1, n + 1):
+            sizes = np.diff(split_points(n, parts))
+            assert sizes.sum() == n and sizes.max() - sizes.min() <= 1 and sizes.min() >= 1
+    with pytest.raises(ValueError, match="5 items cannot be split into 6 non-empty parts"):
+        split_points(5, 6)
+    with pytest.raises(ValueError, match="parts=0"):
+        split_points(5, 0)
+
+
+def test_check_local_sizes_names_the_short_rank() -> None:
+    check_local_sizes([11, 11, 10], 10)
+    with pytest.raises(ValueError, match="data-parallel rank 2 has a local batch of 10 samples, "
+                                         "fewer than micro_batches=11"):
+        check_local_sizes([11, 11, 10], 11)
 
 
 def test_global_batches_are_the_same_for_every_dp_size() -> None:
@@ -60,10 +84,11 @@ def test_drop_last_false_wraps_within_the_epoch() -> None:
     assert GlobalBatchSampler(50, B, seed=3).steps_per_epoch == 2
 
 
-def test_dp_size_must_divide_the_global_batch() -> None:
+def test_dp_size_may_not_exceed_the_global_batch() -> None:
     s = GlobalBatchSampler(100, B)
-    with pytest.raises(ValueError, match="B=24 is not divisible by dp_size=5.*equal slice"):
-        s.local_indices(0, 0, 5)
+    with pytest.raises(ValueError, match="B=24 is smaller than dp_size=25: every data-parallel "
+                                         "rank needs at least one sample"):
+        s.local_indices(0, 0, 25)
     with pytest.raises(ValueError, match="dp_rank=4 is outside"):
         s.local_indices(0, 4, 4)
     with pytest.raises(ValueError, match="dp_size=0"):
@@ -86,8 +111,10 @@ def test_micro_batches() -> None:
     parts = micro_batches(idx, 3)
     assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     np.testing.assert_array_equal(np.concatenate(GlobalBatchSampler.micro_batches(idx, 4)), idx)
-    with pytest.raises(ValueError, match="12 samples cannot be split into m=5"):
-        micro_batches(idx, 5)
+    assert [p.tolist() for p in micro_batches(idx, 5)] == [[0, 1, 2], [3, 4, 5], [6, 7],
+                                                          [8, 9], [10, 11]]
+    with pytest.raises(ValueError, match="12 samples cannot be split into m=13 non-empty"):
+        micro_batches(idx, 13)
     with pytest.raises(ValueError, match="m=0"):
         micro_batches(idx, 0)
 

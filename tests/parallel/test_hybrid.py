@@ -214,13 +214,13 @@ def test_bad_input_raises_on_every_rank(comm):
         pp_opt.wrap(MLP([3, 2]))
     with pytest.raises(ValueError, match="tie_weights"):
         pp_opt.wrap(GPT(GPTConfig(tie_weights=True, n_layer=2)))
-    # micro-batches not dividing the local batch: raised before the step communicates
+    # fewer samples than micro-batches: raised on every rank before the pipeline runs
     m_opt = HybridShardedOptimizer(make_opt(), cfg.replace(micro_batches=2),
                                    pipeline_parallel_size=n, comm=comm)
     model = m_opt.wrap(GPT(CONFIG))
-    x, y = data().batch(np.arange(5))
-    with pytest.raises(ValueError, match="local batch of 5 samples does not divide into "
-                                         "micro_batches=2"):
+    x, y = data().batch(np.arange(1))
+    with pytest.raises(ValueError, match="data-parallel rank 0 has a local batch of 1 samples, "
+                                         "fewer than micro_batches=2"):
         m_opt.step(model, (x, y))
     model.free()
 
