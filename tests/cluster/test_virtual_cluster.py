@@ -299,5 +299,7 @@ def test_torch_backend_across_nodes(cluster: dict, tmp_path: Path) -> None:
     rows = sorted((json.loads(line) for line in res.stdout.splitlines()
                    if line.startswith('{"rank"')), key=lambda r: r["rank"])
     assert [(r["rank"], r["size"], r["sum"]) for r in rows] == [(i, 4, 10.0) for i in range(4)]
+    # torch's all_reduce of 1 MiB ran as mpidist's two-level collective across the nodes
+    assert [(r["big"], r["two_level"]) for r in rows] == [(10.0, True)] * 4
     assert [r["env"]["LOCAL_RANK"] for r in rows] == ["0", "1", "0", "1"]
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in rows} == {"2"}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mpidist.torch  # noqa: F401 - registers the backend
+from mpidist import topology
 
 
 def report(**fields) -> None:
@@ -28,10 +29,17 @@ def plain() -> None:
         store = store.underlying_store
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
+    # 1 MiB: at least MPIDIST_HIERARCHICAL_MIN_BYTES, so two levels where the world spans nodes
+    stages = topology.allreduce_stages
+    ran = []
+    topology.allreduce_stages = lambda *a: (ran.append(1), stages(*a))[1]
+    big = torch.ones(1 << 18) * (dist.get_rank() + 1)
+    dist.all_reduce(big)
+    topology.allreduce_stages = stages
     report(rank=dist.get_rank(), size=dist.get_world_size(), backend=dist.get_backend(),
            sum=t.item(), env={k: os.environ.get(k) for k in
                               ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
-           store=type(store).__name__)
+           store=type(store).__name__, big=big[-1].item(), two_level=bool(ran))
     dist.destroy_process_group()
 
 

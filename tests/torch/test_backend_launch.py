@@ -60,6 +60,7 @@ def test_mpiexec_needs_no_rendezvous_variables():
     assert [r["rank"] for r in got] == [0, 1, 2]
     for r in got:
         assert (r["size"], r["backend"], r["sum"]) == (3, "mpidist", 6.0)
+        assert (r["big"], r["two_level"]) == (6.0, False)  # one node: the flat collective
         assert r["env"] == {"RANK": str(r["rank"]), "WORLD_SIZE": "3",
                             "LOCAL_RANK": str(r["rank"]), "LOCAL_WORLD_SIZE": "3"}
         assert r["store"] == "TCPStore"
