@@ -102,7 +102,7 @@ def test_toml_config_and_flags_override(tmp_path: Path):
 
 @pytest.mark.parametrize("args, message", [
     (["--n-embd", "10", "--n-head", "4"], "n_embd=10 is not divisible by n_head=4"),
-    (["--global-batch", "9"], "--global-batch 9 does not divide into 2 data-parallel ranks"),
+    (["--global-batch", "1"], "--global-batch 1 is too small for 2 data-parallel ranks"),
     (["--pp", "2"], "--pp 2 --tp 1 need --strategy hybrid"),
 ])
 def test_bad_flags_fail_on_every_rank(tmp_path: Path, args, message):

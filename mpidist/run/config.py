@@ -101,8 +101,8 @@ class TrainConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
-        if self.global_batch % self.micro_batches:
-            raise ValueError(f"--global-batch {self.global_batch} is not divisible by "
+        if self.global_batch < self.micro_batches:
+            raise ValueError(f"--global-batch {self.global_batch} is smaller than "
                              f"--micro-batches {self.micro_batches}")
         if self.data is not None and not os.path.exists(self.data):
             raise ValueError(f"data={self.data!r}: no such file or directory")

@@ -80,7 +80,7 @@ class ElasticHook:
         if model is None:
             self.left = True
             return None
-        if cfg.global_batch % (model.dp_size * cfg.micro_batches):
-            raise ValueError(f"--global-batch {cfg.global_batch} does not divide into "
+        if cfg.global_batch < model.dp_size * cfg.micro_batches:
+            raise ValueError(f"--global-batch {cfg.global_batch} is too small for "
                              f"{model.dp_size} workers x {cfg.micro_batches} micro-batches")
         return model

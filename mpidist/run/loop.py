@@ -157,10 +157,13 @@ class _Run:
 
     def _check_batch(self, model: Any) -> None:
         cfg = self.cfg
-        if cfg.global_batch % (model.dp_size * cfg.micro_batches):
+        # Any split works (slices differ by at most one sample); each rank needs a sample
+        # per micro-batch.
+        if cfg.global_batch < model.dp_size * cfg.micro_batches:
             raise ValueError(
-                f"--global-batch {cfg.global_batch} does not divide into {model.dp_size} "
-                f"data-parallel ranks x {cfg.micro_batches} micro-batches"
+                f"--global-batch {cfg.global_batch} is too small for {model.dp_size} "
+                f"data-parallel ranks x {cfg.micro_batches} micro-batches (needs at least "
+                f"{model.dp_size * cfg.micro_batches})"
             )
 
     def _maybe_resume(self) -> int:
