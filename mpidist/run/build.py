@@ -114,5 +114,6 @@ def make_data(cfg: TrainConfig) -> tuple[Any, Any]:
     """The train and validation splits: ``--data PATH`` or the embedded corpus."""
     from mpidist.data import TextCorpus
 
-    return (TextCorpus(cfg.block_size, split="train", path=cfg.data),
-            TextCorpus(cfg.block_size, split="validation", path=cfg.data))
+    return (TextCorpus(cfg.block_size, split="train", path=cfg.data, binary=cfg.data_binary),
+            TextCorpus(cfg.block_size, split="validation", path=cfg.data,
+                       binary=cfg.data_binary))

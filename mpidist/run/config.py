@@ -58,6 +58,7 @@ class TrainConfig:
     block_size: int = 64
     vocab_size: int = 256
     data: str | None = None
+    data_binary: bool = False
     checkpoint_interval: int = 200
     keep: int = 3
     resume: bool = False
@@ -106,6 +107,10 @@ class TrainConfig:
                              f"--micro-batches {self.micro_batches}")
         if self.data is not None and not os.path.exists(self.data):
             raise ValueError(f"data={self.data!r}: no such file or directory")
+        if self.data is not None and not self.data_binary:
+            from mpidist.data.corpus import check_text_path
+
+            check_text_path(self.data)  # a binary file is refused before anything runs
 
     @classmethod
     def from_sources(cls, toml: dict[str, Any], flags: dict[str, Any]) -> TrainConfig:
@@ -217,7 +222,10 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--block-size", int, None, "tokens per sample"),
     ("--vocab-size", int, None, "vocabulary (>= 256: tokens are bytes)"),
     ("--data", str, None,
-     "train on this text file or directory of files, byte-level; none: the embedded corpus"),
+     "train on this text file or directory of files, byte-level; none: the embedded corpus. "
+     "It must be text (UTF-8, few control bytes); in a directory, other files are skipped"),
+    ("--data-binary", "store_const", None,
+     "train on the bytes of --data even if they are not text"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
     ("--keep", int, None, "checkpoints to keep"),
     ("--resume", "store_const", None, "continue from the latest checkpoint under --out"),
