@@ -7,6 +7,11 @@ in sorted order (those that exist in this Python version), joined by newlines an
 :attr:`TextCorpus.fingerprint` (SHA-256 of the text) tells them apart, and checkpoints can
 record it.
 
+A corpus given as a path (``--data``) must be text: valid UTF-8 (any language) with at most
+:data:`MAX_CONTROL_FRACTION` control bytes. A file that is not is refused; in a directory,
+such files (``__pycache__/*.pyc``, images, archives) are skipped and counted. ``binary=True``
+takes every byte as it is.
+
 Tokens are bytes (vocabulary 256). The last :data:`VALIDATION_FRACTION` of the text is the
 validation split. A sample is a window of ``block_size + 1`` bytes starting at a multiple of
 ``block_size`` inside its split: ``x`` is the first ``block_size`` bytes, ``y`` the same shifted
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import os
 import sysconfig
@@ -24,8 +30,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BYTES", "STDLIB_FILES", "VALIDATION_FRACTION", "TextCorpus", "corpus_bytes",
-           "path_bytes"]
+__all__ = ["MAX_BYTES", "MAX_CONTROL_FRACTION", "STDLIB_FILES", "VALIDATION_FRACTION",
+           "TextCorpus", "check_text_path", "corpus_bytes", "path_bytes", "text_problem"]
+
+log = logging.getLogger(__name__)
 
 #: Standard-library sources that make up the corpus (relative to the stdlib directory).
 STDLIB_FILES: tuple[str, ...] = tuple(
@@ -55,6 +63,18 @@ VALIDATION_FRACTION = 0.1
 
 VOCAB_SIZE = 256
 
+#: Largest fraction of control bytes a text may hold (tab, newline, vertical tab, form feed
+#: and carriage return are not counted; ESC and the other C0 bytes and DEL are).
+MAX_CONTROL_FRACTION = 0.05
+
+_WHITESPACE = np.zeros(256, dtype=bool)
+_WHITESPACE[[9, 10, 11, 12, 13]] = True
+_CONTROL = np.zeros(256, dtype=bool)
+_CONTROL[:32] = True
+_CONTROL[127] = True
+_CONTROL &= ~_WHITESPACE
+_BINARY_HINT = "--data-binary (binary=True) trains on its bytes anyway"
+
 
 @functools.lru_cache(maxsize=4)
 def corpus_bytes(
@@ -79,12 +99,42 @@ def corpus_bytes(
     return text, tuple(used)
 
 
-def path_bytes(path: str) -> tuple[bytes, tuple[str, ...]]:
-    """The bytes of a text file, or of every file under a directory (sorted relative paths,
-    joined by newlines, hidden files and directories skipped), and the files used."""
+def text_problem(data: bytes) -> str | None:
+    """Why ``data`` is not text, or None when it is: not valid UTF-8 (the offset of the first
+    bad byte), or more than :data:`MAX_CONTROL_FRACTION` control bytes. Pure."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not valid UTF-8 at byte {exc.start}"
+    if not data:
+        return None
+    control = float(_CONTROL[np.frombuffer(data, dtype=np.uint8)].mean())
+    if control > MAX_CONTROL_FRACTION:
+        return f"{control:.0%} control bytes"
+    return None
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def path_bytes(path: str, *, binary: bool = False
+               ) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
+    """The bytes of a text file, or of every text file under a directory (sorted relative
+    paths, joined by newlines, hidden files and directories skipped); the files used; the
+    files skipped as not text (:func:`text_problem`). Not collective.
+
+    Raises ValueError naming ``path`` when it does not exist, when it is a file that is not
+    text, or when a directory holds no text file; with ``binary=True`` every file is used
+    as it is.
+    """
     if os.path.isfile(path):
-        with open(path, "rb") as fh:
-            return fh.read(), (os.path.basename(path),)
+        data = _read(path)
+        problem = None if binary else text_problem(data)
+        if problem is not None:
+            raise ValueError(f"data={path!r} is not text ({problem}); {_BINARY_HINT}")
+        return data, (os.path.basename(path),), ()
     if not os.path.isdir(path):
         raise ValueError(f"data={path!r}: no such file or directory")
     rels = []
@@ -92,13 +142,26 @@ def path_bytes(path: str) -> tuple[bytes, tuple[str, ...]]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         rels += [os.path.relpath(os.path.join(root, n), path) for n in names
                  if not n.startswith(".")]
-    parts = []
+    parts, used, skipped = [], [], []
     for rel in sorted(rels):
-        with open(os.path.join(path, rel), "rb") as fh:
-            parts.append(fh.read())
-    if not parts:
+        data = _read(os.path.join(path, rel))
+        if not binary and text_problem(data) is not None:
+            skipped.append(rel)
+            continue
+        parts.append(data)
+        used.append(rel)
+    if not rels:
         raise ValueError(f"data={path!r}: the directory holds no files")
-    return b"\n".join(parts), tuple(sorted(rels))
+    if not parts:
+        raise ValueError(f"data={path!r}: none of its {len(skipped)} files is text (e.g. "
+                         f"{skipped[0]}); {_BINARY_HINT}")
+    return b"\n".join(parts), tuple(used), tuple(skipped)
+
+
+def check_text_path(path: str) -> None:
+    """Raise the ValueError of :func:`path_bytes` if ``path`` is no text corpus. Not
+    collective; reads the files (every rank finds the same)."""
+    path_bytes(path)
 
 
 class TextCorpus:
@@ -109,7 +172,9 @@ class TextCorpus:
         split: ``"train"`` or ``"validation"`` (``"val"`` is accepted).
         max_bytes: cap on the whole corpus (both splits).
         path: a text file, or a directory of files, to use instead of the standard-library
-            corpus (read whole, byte-level, split the same way).
+            corpus (read whole, byte-level, split the same way). It must be text (files of a
+            directory that are not are skipped, listed in :attr:`skipped`).
+        binary: use the bytes of ``path`` whatever they are.
 
     ``len(corpus)`` samples; ``corpus[i] -> (x, y)`` 1-D int64 arrays;
     ``corpus.batch(indices) -> (x, y)`` of shape ``(len(indices), block_size)``.
@@ -119,7 +184,7 @@ class TextCorpus:
 
     def __init__(
         self, block_size: int, split: str = "train", *, max_bytes: int = MAX_BYTES,
-        path: str | None = None,
+        path: str | None = None, binary: bool = False,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
@@ -131,10 +196,14 @@ class TextCorpus:
             raise ValueError(f"split={split!r} must be 'train' or 'validation'")
         self.block_size = int(block_size)
         self.split = split
+        self.skipped: tuple[str, ...] = ()
         if path is None:
             text, self.files = corpus_bytes(STDLIB_FILES, int(max_bytes))
         else:
-            text, self.files = path_bytes(path)
+            text, self.files, self.skipped = path_bytes(path, binary=binary)
+            if self.skipped and split == "train":
+                log.info("data %s: %d text files used, %d files that are not text skipped "
+                         "(e.g. %s)", path, len(self.files), len(self.skipped), self.skipped[0])
         self.text = text
         self.fingerprint = hashlib.sha256(text).hexdigest()
         data = np.frombuffer(text, dtype=np.uint8)
