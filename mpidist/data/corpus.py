@@ -153,7 +153,7 @@ def path_bytes(path: str, *, binary: bool = False
     if not rels:
         raise ValueError(f"data={path!r}: the directory holds no files")
     if not parts:
-        raise ValueError(f"data={path!r}: none of its {len(skipped)} files is text (e.g. "
+        raise ValueError(f"data={path!r}: none of its {len(skipped)} file(s) is text (e.g. "
                          f"{skipped[0]}); {_BINARY_HINT}")
     return b"\n".join(parts), tuple(used), tuple(skipped)
 
@@ -202,8 +202,8 @@ class TextCorpus:
         else:
             text, self.files, self.skipped = path_bytes(path, binary=binary)
             if self.skipped and split == "train":
-                log.info("data %s: %d text files used, %d files that are not text skipped "
-                         "(e.g. %s)", path, len(self.files), len(self.skipped), self.skipped[0])
+                log.info("data %s: %d text file(s) used, %d skipped as not text (e.g. %s)",
+                         path, len(self.files), len(self.skipped), self.skipped[0])
         self.text = text
         self.fingerprint = hashlib.sha256(text).hexdigest()
         data = np.frombuffer(text, dtype=np.uint8)

@@ -93,3 +93,40 @@ def test_synthetic_sets_are_deterministic_and_batchable() -> None:
         c.batch([40])
     with pytest.raises(ValueError, match="d_in=0"):
         synthetic_regression(5, 0, 1)
+
+
+def test_text_problem_accepts_any_language_and_names_what_is_wrong() -> None:
+    from mpidist.data.corpus import text_problem
+
+    assert text_problem("naïve café — 東京 ✓\n\tdef f():\r\n\f".encode()) is None
+    assert text_problem(b"") is None
+    assert text_problem(b"abc\xff\xfe") == "not valid UTF-8 at byte 3"
+    assert text_problem(b"\x1b[0m" * 8) == "25% control bytes"  # terminal escapes
+    assert text_problem(b"\x00" * 10 + b"x" * 90) == "10% control bytes"
+    assert text_problem(b"\x00" * 4 + b"x" * 96) is None  # a few control bytes are fine
+
+
+def test_a_binary_file_is_refused_and_binary_true_takes_it(tmp_path) -> None:
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=r"data='.*model.bin' is not text \(not valid UTF-8 at "
+                                         r"byte 128\); --data-binary \(binary=True\) trains"):
+        TextCorpus(8, path=str(blob))
+    corpus = TextCorpus(8, path=str(blob), binary=True)
+    assert corpus.text == blob.read_bytes() and corpus.files == ("model.bin",)
+
+
+def test_a_directory_skips_and_counts_binary_files(tmp_path) -> None:
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("print('héllo')\n" * 20)
+    (tmp_path / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n" + bytes(64))
+    (tmp_path / "notes.txt").write_text("plain notes\n" * 20)
+    corpus = TextCorpus(8, path=str(tmp_path))
+    assert corpus.files == ("notes.txt", "pkg/a.py")
+    assert corpus.skipped == ("pkg/__pycache__/a.cpython-311.pyc",)
+    assert b"\xa7" not in corpus.text
+    every = TextCorpus(8, path=str(tmp_path), binary=True)
+    assert every.skipped == () and len(every.files) == 3
+    only_binary = tmp_path / "pkg" / "__pycache__"
+    with pytest.raises(ValueError, match="none of its 1 file(s) is text"):
+        TextCorpus(8, path=str(only_binary))
