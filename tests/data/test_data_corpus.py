@@ -128,5 +128,5 @@ def test_a_directory_skips_and_counts_binary_files(tmp_path) -> None:
     every = TextCorpus(8, path=str(tmp_path), binary=True)
     assert every.skipped == () and len(every.files) == 3
     only_binary = tmp_path / "pkg" / "__pycache__"
-    with pytest.raises(ValueError, match="none of its 1 file(s) is text"):
+    with pytest.raises(ValueError, match=r"none of its 1 file\(s\) is text"):
         TextCorpus(8, path=str(only_binary))
