@@ -37,11 +37,15 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from mpidist.checkpoint import diff, format_diff
+    """Exit status as diff(1)'s: 0 the same (within the tolerance), 1 different, 2 trouble."""
+    from mpidist.checkpoint import diff, diff_found, diff_summary, format_diff
 
-    result = diff(_resolve(args.a), _resolve(args.b))
-    print(json.dumps(result, indent=2, default=str) if args.json else format_diff(result))
-    return 0
+    result = diff(_resolve(args.a), _resolve(args.b), rtol=args.rtol, atol=args.atol)
+    if args.json:
+        print(json.dumps({**result, "summary": diff_summary(result)}, indent=2, default=str))
+    else:
+        print(format_diff(result))
+    return 1 if diff_found(result) else 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -92,10 +96,18 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--verify", action="store_true", help="check every dataset's checksum")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
-    p = sub.add_parser("diff", help="largest absolute difference per tensor of two checkpoints")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("diff", help="compare two checkpoints tensor by tensor; exit status 1 "
+                                    "when they differ (as diff(1))",
+                       description="Lists the tensors that differ beyond the tolerance and "
+                                   "ends with a summary line. Exit status: 0 the same, 1 "
+                                   "different, 2 trouble.")
+    p.add_argument("a", metavar="A", help="checkpoint file or run directory")
+    p.add_argument("b", metavar="B", help="checkpoint file or run directory")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="relative tolerance: |a-b| <= atol + rtol*|b| is the same (default: 0)")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="absolute tolerance (default: 0, with --rtol 0: exactly equal)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_diff)
     p = sub.add_parser("export", help="consolidated weights to .npz (or .safetensors)")
     p.add_argument("checkpoint", metavar="CKPT")

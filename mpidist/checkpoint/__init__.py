@@ -41,6 +41,8 @@ from mpidist.checkpoint.io import (
 )
 from mpidist.checkpoint.tools import (
     diff,
+    diff_found,
+    diff_summary,
     export,
     format_diff,
     format_inspect,
@@ -62,6 +64,8 @@ __all__ = [
     "checkpoint_path",
     "checksum",
     "diff",
+    "diff_found",
+    "diff_summary",
     "export",
     "format_diff",
     "format_inspect",

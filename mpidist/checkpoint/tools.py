@@ -29,7 +29,8 @@ from mpidist.checkpoint.header import open_error, read_header
 from mpidist.checkpoint.load import read_tensor
 from mpidist.checkpoint.storage import read_range
 
-__all__ = ["diff", "export", "format_diff", "format_inspect", "inspect", "verify_checkpoint"]
+__all__ = ["diff", "diff_found", "diff_summary", "export", "format_diff", "format_inspect",
+           "inspect", "verify_checkpoint"]
 
 _CHUNK_BYTES = 64 << 20
 
@@ -220,21 +221,31 @@ def export(path: str | os.PathLike[str], to: str | os.PathLike[str], *,
     return sorted(arrays)
 
 
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, Any]:
+def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float = 0.0,
+         atol: float = 0.0) -> dict[str, Any]:
     """Compare two checkpoints tensor by tensor. Not collective.
 
-    Returns ``{"max_abs_diff": {name: float}, "only_in_a": [...], "only_in_b": [...],
-    "mismatched": {name: "shape/dtype a vs b"}}``; differences are computed in float64
-    (complex: modulus), and equal bit patterns (NaN included) count as no difference.
+    Returns ``{"max_abs_diff": {name: float}, "differ": {name: elements}, "only_in_a": [...],
+    "only_in_b": [...], "mismatched": {name: "shape/dtype a vs b"}, "rtol": .., "atol": ..}``.
+    Differences are computed in float64 (complex: modulus); equal bit patterns (NaN included)
+    count as no difference, a NaN against anything else as an infinite one. An element
+    differs when ``|a - b| > atol + rtol * |b|`` (default: any difference at all);
+    ``differ`` counts such elements per tensor, for the tensors that have any.
     """
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if not float(v) >= 0:
+            raise ValueError(f"{name}={v!r} must be a number >= 0")
     a, b = os.fspath(a), os.fspath(b)
     _, ia, _ = read_header(a)
     _, ib, _ = read_header(b)
     result: dict[str, Any] = {
         "max_abs_diff": {},
+        "differ": {},
         "only_in_a": sorted(set(ia) - set(ib)),
         "only_in_b": sorted(set(ib) - set(ia)),
         "mismatched": {},
+        "rtol": float(rtol),
+        "atol": float(atol),
     }
     h5py = h5py_module()
     with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
@@ -243,29 +254,67 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, Any]
                 result["mismatched"][name] = (f"{ia[name].shape} {ia[name].dtype} vs "
                                               f"{ib[name].shape} {ib[name].dtype}")
                 continue
-            worst = 0.0
+            worst, count = 0.0, 0
             pairs = zip(_chunks(fa[name], ia[name]), _chunks(fb[name], ib[name]), strict=True)
             for (_, x), (_, y) in pairs:
-                same = x.view(np.uint8).reshape(x.shape[0], -1) == \
-                    y.view(np.uint8).reshape(y.shape[0], -1)
-                d = np.abs(x.astype(np.complex128 if x.dtype.kind == "c" else np.float64)
-                           - y.astype(np.complex128 if y.dtype.kind == "c" else np.float64))
-                d[same.all(axis=1)] = 0.0
+                d, scale = _abs_diff(x, y)
                 if d.size:
                     worst = max(worst, float(np.max(d)))
+                    limit = atol + rtol * scale if rtol else atol
+                    count += int(np.count_nonzero((d > limit) | np.isinf(d)))
             result["max_abs_diff"][name] = worst
+            if count:
+                result["differ"][name] = count
     return result
 
 
+def _abs_diff(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``|x - y|`` in float64 (0 where the bytes are equal, inf for a NaN against anything
+    else) and ``|y|``, element by element of two chunks of the same shape and dtype."""
+    same = x.view(np.uint8).reshape(x.shape[0], -1) == y.view(np.uint8).reshape(y.shape[0], -1)
+    wide = np.complex128 if x.dtype.kind == "c" else np.float64
+    xw, yw = x.astype(wide), y.astype(wide)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(xw - yw).astype(np.float64)
+    d[np.isnan(d)] = np.inf
+    d[same.all(axis=1)] = 0.0
+    scale = np.abs(yw).astype(np.float64)
+    scale[np.isnan(scale)] = 0.0
+    return d, scale
+
+
+def diff_summary(result: Mapping[str, Any]) -> str:
+    """The last line of :func:`format_diff`: how many tensors differ beyond the tolerance,
+    the largest absolute difference, how many shapes differ (and tensors in one only)."""
+    values = list(result["max_abs_diff"].values())
+    worst = max(values) if values else 0.0
+    line = (f"{len(result['differ'])} tensors differ, max abs diff {worst:.6g}, "
+            f"{len(result['mismatched'])} shapes differ")
+    alone = len(result["only_in_a"]) + len(result["only_in_b"])
+    if alone:
+        line += f", {alone} in one checkpoint only"
+    return line
+
+
+def diff_found(result: Mapping[str, Any]) -> bool:
+    """Whether a :func:`diff` result shows a difference beyond its tolerance (a tensor whose
+    values differ, a shape or dtype that differs, a tensor in one checkpoint only)."""
+    return bool(result["differ"] or result["mismatched"] or result["only_in_a"]
+                or result["only_in_b"])
+
+
 def format_diff(result: Mapping[str, Any]) -> str:
-    """Human-readable text of a :func:`diff` result."""
+    """Human-readable text of a :func:`diff` result: one line per tensor that differs
+    (beyond the tolerance), then :func:`diff_summary`'s line."""
     lines = []
-    for name, d in result["max_abs_diff"].items():
-        lines.append(f"{name}: max |a-b| = {d:.6g}")
+    for name, n in result["differ"].items():
+        lines.append(f"{name}: max |a-b| = {result['max_abs_diff'][name]:.6g} "
+                     f"({n} element(s) beyond the tolerance)")
     for name, why in result["mismatched"].items():
         lines.append(f"{name}: {why}")
     for name in result["only_in_a"]:
         lines.append(f"{name}: only in a")
     for name in result["only_in_b"]:
         lines.append(f"{name}: only in b")
+    lines.append(diff_summary(result))
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from mpidist.checkpoint import (
     Piece,
     TensorInfo,
     diff,
+    diff_found,
     export,
     format_diff,
     format_inspect,
@@ -99,10 +100,44 @@ def test_diff(tmp_path):
     d = diff(a, b)
     assert d["max_abs_diff"]["params/emb.bias"] == pytest.approx(0.5)
     assert d["max_abs_diff"]["params/emb.weight"] == 0.0
+    assert d["differ"] == {"params/emb.bias": 1}
     assert d["only_in_a"] == ["params/head.w"] and d["only_in_b"] == ["params/extra"]
     assert "optimizer/exp_avg/head.w" in d["mismatched"]
-    text = format_diff(d)
-    assert "params/extra: only in b" in text and "params/emb.bias: max |a-b| = 0.5" in text
+    assert diff_found(d)
+    lines = format_diff(d).splitlines()
+    assert lines == [
+        "params/emb.bias: max |a-b| = 0.5 (1 element(s) beyond the tolerance)",
+        f"optimizer/exp_avg/head.w: {model_tensors()['optimizer/exp_avg/head.w'].shape} "
+        "float32 vs (42,) float32",
+        "params/head.w: only in a",
+        "params/extra: only in b",
+        "1 tensors differ, max abs diff 0.5, 1 shapes differ, 2 in one checkpoint only",
+    ]
+    # within a tolerance the values are the same; the shapes still differ
+    assert diff(a, b, atol=0.5)["differ"] == {}
+    assert diff(a, b, rtol=1e6)["differ"] == {}
+    with pytest.raises(ValueError, match="atol=-1 must be a number >= 0"):
+        diff(a, b, atol=-1)
+
+
+def test_diff_tolerance_nan_and_identical(tmp_path):
+    values = full_values()
+    a = save(tmp_path / "a.h5", values=values)
+    same = diff(a, save(tmp_path / "same.h5", values=values))
+    assert not diff_found(same) and format_diff(same) == \
+        "0 tensors differ, max abs diff 0, 0 shapes differ"
+    changed = {k: v.copy() for k, v in values.items()}
+    w = changed["params/emb.weight"].reshape(-1)
+    w[0] = np.nan
+    w[1] *= 1 + 1e-6
+    b = save(tmp_path / "b.h5", values=changed)
+    d = diff(a, b)
+    assert d["differ"] == {"params/emb.weight": 2}
+    assert d["max_abs_diff"]["params/emb.weight"] == np.inf
+    # rtol covers the relative change, never the NaN
+    assert diff(a, b, rtol=1e-5)["differ"] == {"params/emb.weight": 1}
+    # a NaN on both sides (same bits) is no difference
+    assert not diff_found(diff(b, save(tmp_path / "c.h5", values=changed)))
 
 
 def test_sharded_save_looks_the_same(tmp_path):
