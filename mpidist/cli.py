@@ -1,7 +1,9 @@
 """The ``mpidist`` command line.
 
-Every subcommand that runs under ``mpiexec``/``srun`` is wrapped in
-:class:`~mpidist.launch.abort_on_failure`, so an error on one rank ends the whole job.
+A failure ends in one line: bad input that every rank finds alike is printed by rank 0
+and every rank exits with status 2; an error on one rank alone ends the whole MPI job
+(``MPI_Abort``), so no rank is left waiting (:func:`mpidist.launch.guard.report_failure`).
+Usage errors and ``--help`` are printed by rank 0 only.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from mpidist._version import __version__
 
@@ -79,9 +82,17 @@ def _rank() -> int:
     return launcher_from_env()["rank"] or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Prints (usage, errors, help) on rank 0 only: every rank parses the same flags."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _rank() == 0:
+            super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpidist`` command."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="mpidist",
         description="MPI-native distributed training. Run under mpiexec/srun for more ranks.",
     )
@@ -102,28 +113,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mpidist`` console script."""
+    """Entry point of the ``mpidist`` console script.
+
+    A failure is one line (:func:`mpidist.launch.guard.report_failure`): bad input that
+    every rank finds alike is printed once and every rank exits with status 2; a failure
+    of one rank aborts the MPI job, its line first.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from mpidist.launch import abort_on_failure
+    from mpidist.launch.guard import report_failure
 
-    with abort_on_failure():
-        try:
-            return int(args.func(args) or 0)
-        except BrokenPipeError:  # output piped into head & co.
-            sys.stderr.close()
-            return 0
-        except ValueError as exc:
-            # Bad input: a message naming the value, not a traceback. Every rank validates
-            # the same input, so every rank says the same; under MPI the job then aborts.
-            rank = _rank()
-            prefix = "" if rank == 0 else f"[rank {rank}] "
-            sys.stderr.write(f"{prefix}mpidist {args.command}: error: {exc}\n")
-            sys.stderr.flush()
-            raise SystemExit(2) from None
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        raise SystemExit(report_failure(exc, f"mpidist {args.command}")) from None
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in one line
+        raise SystemExit(report_failure(exc, f"mpidist {args.command}")) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,8 +4,9 @@ Launched as ``mpiexec -n N mpidist train ...`` or ``srun mpidist train ...``. A 
 defined by its global batch and seed, so the same flags on a different number of ranks give
 the same losses. Every flag has a TOML key of the same name with ``_`` for ``-``
 (``--global-batch`` ↔ ``global_batch``); flags given on the command line override the file.
-On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the job
-exits with status 75 (``--requeue``: after requeueing the Slurm job).
+On SIGTERM or SIGUSR1 every rank finishes its step, a checkpoint is written and the ranks
+exit with status 75 (``--requeue``: after requeueing the Slurm job). Exit status: 0 done
+(or nothing to do), 1 failed (diverged, crashed), 2 bad input, 75 preempted.
 
 The loop and its outputs live in :mod:`mpidist.run`; this module is the subcommand.
 """
@@ -34,8 +35,13 @@ def add_parser(sub: Any) -> None:
 def _main(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    from mpidist.launch.guard import enable_error_agreement
+
+    if MPI.Comm.Get_parent() == MPI.COMM_NULL:  # not a worker spawned into an elastic job
+        enable_error_agreement(MPI.COMM_WORLD)
     flags = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
     toml = load_toml(args.config) if args.config else {}
     cfg = TrainConfig.from_sources(toml, flags)
-    summary = run_training(cfg, MPI.COMM_WORLD)
+    given = set(toml) | {k for k, v in flags.items() if v is not None}
+    summary = run_training(cfg, MPI.COMM_WORLD, given=given)
     return EXIT_PREEMPTED if summary.get("preempted") else 0

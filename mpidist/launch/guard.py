@@ -10,11 +10,17 @@ seconds, as ``python -m mpi4py`` does for scripts.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import time
 import traceback
+import zlib
 from typing import Any
 
-__all__ = ["abort_on_failure", "abort_with"]
+import numpy as np
+
+__all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error_agreement",
+           "exit_code", "one_line", "report_failure"]
 
 
 def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
@@ -71,3 +77,119 @@ class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a 
             text = "".join(traceback.format_exception(exc_type, exc, tb))
         abort_with(comm, text, code)
         return False  # pragma: no cover - Abort does not return
+
+
+# -- failing once, in one line ------------------------------------------------------------
+#: Seconds a failing rank waits for the others to fail the same way before it aborts the
+#: job (``MPIDIST_ERROR_WAIT_S``).
+ERROR_WAIT_SECONDS = 10.0
+
+_AGREEMENT: dict[str, Any] = {"comm": None}
+
+
+def enable_error_agreement(comm: Any) -> None:
+    """Set aside a duplicate of ``comm`` on which failing ranks find out whether every rank
+    failed alike (:func:`report_failure`). Collective over ``comm``: call it first thing,
+    on every rank."""
+    old = _AGREEMENT["comm"]
+    if old is not None:
+        old.Free()
+    _AGREEMENT["comm"] = comm.Dup() if comm.Get_size() > 1 else None
+
+
+def _wait_seconds() -> float:
+    try:
+        return float(os.environ.get("MPIDIST_ERROR_WAIT_S", "") or ERROR_WAIT_SECONDS)
+    except ValueError:
+        return ERROR_WAIT_SECONDS
+
+
+def _agree(line: str) -> np.ndarray | None:
+    """Every rank's checksum of its error line, if every rank fails within the wait."""
+    comm = _AGREEMENT["comm"]
+    if comm is None:
+        return None
+    send = np.array([zlib.crc32(line.encode())], dtype=np.int64)
+    recv = np.zeros(comm.Get_size(), dtype=np.int64)
+    req = comm.Iallgather(send, recv)
+    deadline = time.monotonic() + _wait_seconds()
+    while not req.Test():
+        if time.monotonic() > deadline:
+            return None  # the others are busy elsewhere: this failure is this rank's own
+        time.sleep(0.005)
+    return recv
+
+
+def one_line(exc: BaseException) -> str:
+    """The message a failure prints: a ValueError's (bad input) or a FloatingPointError's
+    (divergence) text alone, other exceptions with their type."""
+    if isinstance(exc, (ValueError, FloatingPointError)):
+        return str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT)"
+    if isinstance(exc, SystemExit):
+        return f"exited with status {exc.code}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def exit_code(exc: BaseException) -> int:
+    """2 for bad input (ValueError), 130 for Ctrl-C, a SystemExit's own code, else 1."""
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+        return exc.code
+    if isinstance(exc, ValueError):
+        return 2
+    return 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+
+def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
+    """Report ``exc`` in one line and return the exit status, or abort the MPI job.
+
+    Single process: the line (with the traceback in the run's log file, or on ``stream``
+    before it when there is none; none for bad input). Several ranks that all fail alike
+    within ``MPIDIST_ERROR_WAIT_S`` seconds (after :func:`enable_error_agreement`): rank 0
+    prints the line, any rank whose line differs prints its own, and every rank returns
+    the status, so the job ends without ``MPI_Abort``. A failure of this rank alone: its
+    line first, then ``Abort`` with the status. Not collective.
+    """
+    from mpidist.run.logs import append_to_run_log
+
+    stream = sys.stderr if stream is None else stream
+    line, code = one_line(exc), exit_code(exc)
+    quiet = isinstance(exc, (ValueError, FloatingPointError, KeyboardInterrupt, SystemExit))
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    comm = _world()
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    sys.stdout.flush()
+    keys = _agree(line) if size > 1 else np.zeros(1, dtype=np.int64)
+    if keys is not None:
+        speaks = rank == 0 or keys[rank] != keys[0]
+        where = append_to_run_log(text, rank) if speaks and not quiet else None
+        if speaks:
+            if not quiet and where is None:
+                stream.write(text)
+            prefix = f"[rank {rank}] " if rank else ""
+            more = f" (traceback in {where})" if where else ""
+            stream.write(f"{prefix}{prog}: error: {line}{more}\n")
+        stream.flush()
+        return code
+    where = append_to_run_log(text, rank)
+    if where is None:
+        stream.write("".join(f"[rank {rank}] {ln}\n" for ln in text.rstrip("\n").split("\n")))
+    more = f"; traceback in {where}" if where else ""
+    stream.write(f"[rank {rank}] {prog}: error: {line}{more}; aborting the MPI job "
+                 f"(exit code {code})\n")
+    stream.flush()
+    comm.Abort(code)
+    return code  # pragma: no cover - Abort does not return
+
+
+def _world() -> Any:
+    """COMM_WORLD when MPI is running, else None (without starting MPI)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return None
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD

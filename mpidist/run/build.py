@@ -25,11 +25,13 @@ def make_optimizer(cfg: TrainConfig) -> Any:
 
 
 def make_schedule(cfg: TrainConfig) -> Any:
-    """Linear warm-up then cosine decay to ``min_lr`` over the whole run."""
+    """Linear warm-up then cosine decay to ``min_lr`` at step ``lr_decay_steps`` (default
+    ``steps``), ``min_lr`` after it."""
     from mpidist.optim import WarmupCosineSchedule
 
-    return WarmupCosineSchedule(cfg.lr, total_steps=max(1, cfg.steps),
-                                warmup_steps=min(cfg.warmup_steps, max(1, cfg.steps)),
+    horizon = max(1, cfg.lr_decay_steps or cfg.steps)
+    return WarmupCosineSchedule(cfg.lr, total_steps=horizon,
+                                warmup_steps=min(cfg.warmup_steps, horizon),
                                 min_lr=min(cfg.min_lr, cfg.lr))
 
 

@@ -49,6 +49,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 20
+    lr_decay_steps: int | None = None
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
     seed: int = 0
@@ -61,7 +62,8 @@ class TrainConfig:
     data_binary: bool = False
     checkpoint_interval: int = 200
     keep: int = 3
-    resume: bool = False
+    resume: bool | str = False
+    overwrite: bool = False
     requeue: bool = False
     eval_interval: int = 50
     eval_batches: int = 4
@@ -90,6 +92,11 @@ class TrainConfig:
             v = getattr(self, name)
             if v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        if isinstance(self.resume, str) and self.resume != "auto":
+            raise ValueError(f"resume={self.resume!r} must be true, false or \"auto\"")
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            raise ValueError(f"lr_decay_steps={self.lr_decay_steps!r} must be a positive "
+                             "integer")
         if not 0 < self.topk_ratio <= 1:
             raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1]")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -137,6 +144,7 @@ class TrainConfig:
 _TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
     "float | None": (int, float, type(None)), "str | None": (str, type(None)),
+    "int | None": (int, type(None)), "bool | str": (bool, str),
 }
 
 
@@ -213,6 +221,9 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--lr", float, None, "peak learning rate"),
     ("--min-lr", float, None, "final learning rate of the cosine decay"),
     ("--warmup-steps", int, None, "steps of linear warm-up"),
+    ("--lr-decay-steps", int, None,
+     "steps over which the learning rate decays to --min-lr (none: --steps of the run's "
+     "first start; --resume keeps it)"),
     ("--weight-decay", float, None, "weight decay"),
     ("--max-grad-norm", float, None, "clip by global norm"),
     ("--seed", int, None, "seed of the initial weights and of the sampler"),
@@ -228,7 +239,11 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "train on the bytes of --data even if they are not text"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
     ("--keep", int, None, "checkpoints to keep"),
-    ("--resume", "store_const", None, "continue from the latest checkpoint under --out"),
+    ("--resume", "resume", None,
+     "continue from the latest checkpoint under --out, with the settings it was trained "
+     "with (an error if there is none); --resume auto: continue if there is one, else start"),
+    ("--overwrite", "store_const", None,
+     "start a new run in an --out that holds another run's checkpoints, deleting them"),
     ("--requeue", "store_const", None,
      "on SIGTERM/SIGUSR1, after the checkpoint, requeue the Slurm job (scontrol requeue)"),
     ("--eval-interval", int, None, "steps between validation losses (0: only at the end)"),
@@ -252,6 +267,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help_text = f"{text} (default: {shown})"
         if kind == "store_const":
             p.add_argument(flag, action="store_const", const=True, help=help_text)
+        elif kind == "resume":
+            p.add_argument(flag, nargs="?", const=True, choices=("auto",), metavar="auto",
+                           help=help_text)
         else:
             p.add_argument(flag, type=kind, choices=choices, help=help_text)
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["setup_logging"]
+__all__ = ["append_to_run_log", "run_log_path", "set_run_log", "setup_logging"]
 
 
 class _RankFilter(logging.Filter):
@@ -45,3 +45,45 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
             warn_log.removeHandler(h)
     warn_log.addHandler(handler)
     warn_log.propagate = False
+
+
+_RUN_LOG: dict[str, str | None] = {"path": None}
+
+
+def set_run_log(path: str | None, rank: int) -> None:
+    """Make ``path`` the run's log file (None: no log file). Not collective.
+
+    Every rank remembers it, to append its traceback there when it fails; rank 0 also
+    writes its ``mpidist`` log records there.
+    """
+    _RUN_LOG["path"] = path
+    root = logging.getLogger("mpidist")
+    for h in list(root.handlers):
+        if getattr(h, "_mpidist_file", False):
+            root.removeHandler(h)
+            h.close()
+    if path is not None and rank == 0:
+        handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+        handler._mpidist_file = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s: %(message)s"))
+        root.addHandler(handler)
+
+
+def run_log_path() -> str | None:
+    """The run's log file, or None before a run has one."""
+    return _RUN_LOG["path"]
+
+
+def append_to_run_log(text: str, rank: int) -> str | None:
+    """Append ``text`` (a traceback), each line prefixed with ``[rank N]``, to the run's
+    log file; its path, or None when there is none or it cannot be written."""
+    path = _RUN_LOG["path"]
+    if path is None:
+        return None
+    lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+    except OSError:
+        return None
+    return path

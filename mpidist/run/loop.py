@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -27,15 +28,17 @@ from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import inner_strategy, make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
+from mpidist.run.directory import JSONL_FILES, LOG_NAME, drop_rows_after, remove_run_outputs
 from mpidist.run.elastic import ElasticHook
-from mpidist.run.logs import setup_logging
+from mpidist.run.lock import RunLock
+from mpidist.run.logs import set_run_log, setup_logging
+from mpidist.run.opening import HOLDER, RunOpening, open_run
 from mpidist.run.outputs import JsonLines, Progress, write_summary
 from mpidist.run.preempt import (
     EXIT_PREEMPTED,
     PREEMPT_SIGNALS,
     Preemption,
     requeue_slurm_job,
-    requeued_start,
     signal_name,
 )
 
@@ -47,37 +50,65 @@ _MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak")
 _EVAL_SEED = 1234
 
 
-def run_training(cfg: TrainConfig, comm: Any = None) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, comm: Any = None, *,
+                 given: Collection[str] | None = None) -> dict[str, Any]:
     """Run a training job. Collective over ``comm`` (default COMM_WORLD); returns the summary.
 
     Every rank validates the configuration identically before any communication, so bad
-    settings raise the same ValueError everywhere. A preempted run (SIGTERM or SIGUSR1)
-    returns after its checkpoint with ``summary["preempted"]`` set to the signal's name; a
-    worker that left an elastic job returns ``{"left": True, ...}``. Freed step memory is
-    kept for reuse (:func:`mpidist.nn.allocator.reuse_freed_memory`).
+    settings raise the same ValueError everywhere. Rank 0 then holds ``cfg.out``'s lock
+    for the run's life (:mod:`mpidist.run.lock`). ``given``: the settings the user set
+    (default: all of them); on resume the others come from the checkpoint
+    (:mod:`mpidist.run.resume`). A run with nothing to do (the checkpoint is at
+    ``--steps``) changes no file and returns ``{"nothing_to_do": True, ...}``. A preempted
+    run (SIGTERM or SIGUSR1) returns after its checkpoint with ``summary["preempted"]`` set
+    to the signal's name; a worker that left an elastic job returns ``{"left": True, ...}``.
+    Freed step memory is kept for reuse (:func:`mpidist.nn.allocator.reuse_freed_memory`).
     """
     reuse_freed_memory()
-    run = _Run(cfg, world(comm))
+    comm = world(comm)
+    joiner = False
+    if cfg.strategy == "elastic":
+        from mpidist.parallel import ElasticOptimizer
+
+        joiner = ElasticOptimizer.is_joiner()
+    rank = 1 if joiner else comm.Get_rank()  # a joiner is never rank 0
+    setup_logging(rank)
+    check_output_directory(cfg.out)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    opening = open_run(cfg, comm, names if given is None else set(given), joiner=joiner)
+    if opening.mode == "nothing":
+        if rank == 0:
+            print(f"mpidist train: {opening.message}", flush=True)
+        return {"nothing_to_do": True, "step": opening.state.get("step"),
+                "steps": opening.cfg.steps}
+    run = None
+    failed = True
     try:
-        return run.execute()
+        if not joiner:
+            set_run_log(os.path.join(cfg.out, LOG_NAME), rank)
+        run = _Run(opening, comm, joiner)
+        summary = run.execute()
+        failed = False
+        return summary
     finally:
-        run.preemption.restore()
+        if run is not None:
+            run.preemption.restore()
+            if run.left and opening.lock is not None:
+                opening.lock.abandon()  # the new rank 0 holds it now
+                opening.lock = None
+        opening.close(failed=failed)
 
 
 class _Run:
     """One run's objects and hooks; :meth:`execute` is the whole run."""
 
-    def __init__(self, cfg: TrainConfig, comm: Any) -> None:
-        self.cfg = cfg
+    def __init__(self, opening: RunOpening, comm: Any, joiner: bool) -> None:
+        self.opening = opening
+        self.cfg = cfg = opening.cfg
         self.comm = comm
         self.elastic = cfg.strategy == "elastic"
-        self.joiner = False
-        if self.elastic:
-            from mpidist.parallel import ElasticOptimizer
-
-            self.joiner = ElasticOptimizer.is_joiner()
-        setup_logging(1 if self.joiner else comm.Get_rank())  # a joiner is never rank 0
-        check_output_directory(cfg.out)
+        self.joiner = joiner
+        self.left = False
         # Elastic jobs keep SIGTERM for "this worker leaves"; SIGUSR1 preempts them.
         signals = [s for s in PREEMPT_SIGNALS if not (self.elastic and s == signal.SIGTERM)]
         self.preemption = Preemption(signals)
@@ -107,8 +138,6 @@ class _Run:
     def execute(self) -> dict[str, Any]:
         cfg = self.cfg
         t_setup = time.perf_counter()
-        if not self.joiner:
-            self._make_out()
         self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
         self._check_batch(self.model)
         self.train_data, self.val_data = make_data(cfg)
@@ -124,7 +153,7 @@ class _Run:
         hooks: list[Any] = [self, self.preemption_hook]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
-            hooks.append(elastic)
+            hooks += [elastic, _LockHook(self)]
         t_train = time.perf_counter()
         try:
             outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
@@ -134,26 +163,9 @@ class _Run:
         seconds = time.perf_counter() - t_train
         self.model = outcome.model if outcome.model is not None else self.opt.model
         if elastic is not None and elastic.left:
+            self.left = True
             return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
         return self._finish(outcome, seconds, t_train - t_setup)
-
-    def _make_out(self) -> None:
-        """Rank 0 creates ``--out``; every rank raises the same error if it cannot."""
-        error = ""
-        if self.comm.Get_rank() == 0:
-            try:
-                os.makedirs(self.cfg.out, exist_ok=True)
-            except OSError as exc:
-                error = f"--out {self.cfg.out!r} cannot be created: {exc.strerror or exc}"
-        if self.comm.Get_size() > 1:  # the message as bytes: no pickle
-            n = np.array([len(error.encode())], dtype=np.int64)
-            self.comm.Bcast(n, root=0)
-            buf = np.frombuffer(error.encode(), dtype=np.uint8).copy() if error else \
-                np.zeros(int(n[0]), dtype=np.uint8)
-            self.comm.Bcast(buf, root=0)
-            error = buf.tobytes().decode()
-        if error:
-            raise ValueError(error)
 
     def _check_batch(self, model: Any) -> None:
         cfg = self.cfg
@@ -167,27 +179,49 @@ class _Run:
             )
 
     def _maybe_resume(self) -> int:
-        cfg = self.cfg
-        restart = int(os.environ.get("MPIDIST_RESTART", "0") or 0)
-        if not (cfg.resume or restart > 0 or (cfg.requeue and requeued_start())):
-            return 0
-        from mpidist.checkpoint.training import load_training, resolve_resume
-
-        path = resolve_resume(cfg.out)
-        if path is None:
+        """Load the checkpoint the opening chose (or clear the way for a new run), then
+        leave each step once in metrics.jsonl and events.jsonl. The step to start from."""
+        cfg, opening = self.cfg, self.opening
+        if opening.mode != "resume":
             if self.is_root():
-                log.warning("--resume: no checkpoint under %s; starting from step 0", cfg.out)
+                if cfg.overwrite:
+                    removed = remove_run_outputs(cfg.out)
+                    set_run_log(os.path.join(cfg.out, LOG_NAME), 0)  # a new file
+                    if removed:
+                        print(f"mpidist train: --overwrite: deleted {', '.join(removed)} "
+                              f"in {cfg.out}", flush=True)
+                else:
+                    self._drop_rows_after(0)
             return 0
+        from mpidist.checkpoint.training import load_training
+
+        path = opening.state["latest"]
         t0 = time.perf_counter()
         load_training(path, self.opt, comm=self.job_comm())
         self.io_seconds += time.perf_counter() - t0
         step = self.opt.step_count
+        if self.is_root():
+            self._drop_rows_after(step)
+        restart = os.environ.get("MPIDIST_RESTART", "0")
         self.events.write(event="resume", step=step, world_size=self.world_size(),
                           checkpoint=os.path.basename(path), time=time.time(),
-                          **({"restart": restart} if restart else {}))
+                          **({"restart": int(restart)} if restart not in ("", "0") else {}))
         if self.is_root():
-            log.info("resumed from %s at step %d on %d ranks", path, step, self.world_size())
+            lr = self.opt.lr_schedule(step) if self.opt.lr_schedule is not None else cfg.lr
+            print(f"mpidist train: resuming {path} at step {step} on {self.world_size()} "
+                  f"rank(s); learning rate at step {step + 1}: {lr:.4g} (cosine to --min-lr "
+                  f"{cfg.min_lr:g} at step {cfg.lr_decay_steps})", flush=True)
+            for note in opening.notes:
+                print(f"mpidist train: using {note}", flush=True)
         return step
+
+    def _drop_rows_after(self, step: int) -> None:
+        """Rank 0: remove the rows of an abandoned attempt past ``step``."""
+        for name in JSONL_FILES:
+            n = drop_rows_after(os.path.join(self.cfg.out, name), step)
+            if n:
+                log.info("%s: dropped %d row(s) past step %d of an abandoned attempt",
+                         name, n, step)
 
     def _start(self, start: int) -> None:
         cfg = self.cfg
@@ -220,6 +254,9 @@ class _Run:
         self.progress.update(rec.step, rec.loss, tok_s, workers.get("workers"))
         if not np.isfinite(rec.loss):
             raise FloatingPointError(f"loss became {rec.loss} at step {rec.step}; lower --lr")
+        lock = self.opening.lock
+        if lock is not None and lock.lost:
+            raise RuntimeError(f"another run took over the lock of {cfg.out}: {lock.lost}")
         s = rec.step
         if cfg.eval_interval and (s % cfg.eval_interval == 0 or s == cfg.steps):
             self._evaluate(model, s)
@@ -260,7 +297,7 @@ class _Run:
         self.events.write(event="end", step=step, world_size=self.world_size(),
                           time=time.time(), final_loss=loss, validation_loss=self.val_loss,
                           **({"preempted": self.preempted} if self.preempted else {}))
-        if self.is_root():
+        if self.is_root() and outcome.steps:  # only a run that trained has a summary
             write_summary(summary, cfg.out)
         self.job_comm().Barrier()
         if self.elastic:
@@ -326,9 +363,27 @@ class _PreemptHook:
                          world_size=run.world_size(), exit_status=EXIT_PREEMPTED,
                          time=time.time(), **({"requeue": requeue} if requeue else {}))
         if run.is_root():
-            log.warning("%s: stopped after step %d with a checkpoint; exit status %d",
-                        run.preempted, rec.step, EXIT_PREEMPTED)
+            how = " (under mpiexec, Ctrl-C reaches the ranks as SIGTERM)" \
+                if signum == signal.SIGTERM else ""
+            log.warning("preempted by %s%s: stopped after step %d with a checkpoint; the "
+                        "ranks exit with status %d", run.preempted, how, rec.step,
+                        EXIT_PREEMPTED)
         return None
+
+
+class _LockHook:
+    """Elastic jobs: a new rank 0 (the old one left) takes the run's lock over."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def between_steps(self, model: Any, rec: Any) -> Any:
+        run = self.run
+        if run.is_root() and run.opening.lock is None:
+            lock = RunLock(run.cfg.out, HOLDER)
+            lock.take_over(run.opening.token or None)
+            run.opening.lock = lock
+        return model
 
 
 def _mesh_dict(model: Any) -> dict[str, int]:

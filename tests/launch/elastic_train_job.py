@@ -9,5 +9,5 @@ out, strategy, stage, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sy
 cfg = TrainConfig(out=out, strategy=strategy, zero_stage=stage, n_layer=1, n_head=2, n_embd=16,
                   block_size=16, global_batch=12, dtype="float64", eval_interval=0,
                   eval_batches=1, steps=steps, checkpoint_interval=2, progress=False,
-                  resume=True)
+                  resume="auto")
 run_training(cfg)

@@ -1,0 +1,133 @@
+"""The run directory (``--out``): what it holds, and keeping its files consistent.
+
+Rank 0 looks at the directory (:func:`inspect_out`) and tells the other ranks
+(:func:`bcast_json`), so every rank takes the same decision from the same facts. After a
+resume from step ``k``, :func:`drop_rows_after` removes from ``metrics.jsonl`` and
+``events.jsonl`` the rows of the abandoned attempt past ``k`` (the file is rewritten under a
+temporary name and renamed, so a crash leaves the old file or the new one, never half of
+it). :func:`remove_run_outputs` is ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from typing import Any
+
+import numpy as np
+
+__all__ = ["JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "bcast_json", "drop_rows_after",
+           "inspect_out", "remove_run_outputs"]
+
+#: The run's log: rank 0's messages and the traceback of a failing rank.
+LOG_NAME = "train.log"
+#: Files a run writes next to its checkpoints.
+RUN_OUTPUTS = ("metrics.jsonl", "events.jsonl", "summary.json", "loss.png", LOG_NAME)
+#: The files that get one row per step or event.
+JSONL_FILES = ("metrics.jsonl", "events.jsonl")
+
+
+def bcast_json(obj: Any, comm: Any, root: int = 0) -> Any:
+    """``root``'s JSON-serialisable ``obj`` on every rank (bytes, no pickle). Collective."""
+    if comm is None or comm.Get_size() == 1:
+        return obj
+    data = json.dumps(obj).encode() if comm.Get_rank() == root else b""
+    n = np.array([len(data)], dtype=np.int64)
+    comm.Bcast(n, root=root)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else \
+        np.zeros(int(n[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=root)
+    return json.loads(buf.tobytes().decode())
+
+
+def inspect_out(out: str) -> dict[str, Any]:
+    """What ``out`` holds, as JSON: ``exists``, ``checkpoints`` (names), ``latest`` (path or
+    None), and of the latest checkpoint ``step``, ``world_size``, ``dtype``,
+    ``optimizer`` (name) and ``train_config`` (the settings ``mpidist train`` stored, or
+    None); ``outputs``: the run output files present and not empty; ``error``: why the
+    latest checkpoint cannot be read (or ""). Not collective (rank 0 calls it)."""
+    from mpidist.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        list_checkpoints,
+        read_metadata,
+    )
+
+    state: dict[str, Any] = {"exists": os.path.isdir(out), "checkpoints": [], "latest": None,
+                             "step": None, "world_size": None, "dtype": None,
+                             "optimizer": None, "train_config": None, "outputs": [],
+                             "error": ""}
+    if not state["exists"]:
+        return state
+    state["checkpoints"] = [os.path.basename(p) for p in list_checkpoints(out)]
+    state["outputs"] = [n for n in RUN_OUTPUTS if _non_empty(os.path.join(out, n))]
+    latest = latest_checkpoint(out)
+    if latest is None:
+        return state
+    state["latest"] = os.path.join(out, os.path.basename(latest))
+    try:
+        attrs, _ = read_metadata(latest)
+    except CheckpointError as exc:
+        state["error"] = str(exc)
+        return state
+    extra = attrs.get("extra") or {}
+    config = extra.get("train_config") if isinstance(extra, dict) else None
+    state.update(step=int(attrs.get("step", 0)), world_size=attrs.get("world_size"),
+                 dtype=attrs.get("dtype"),
+                 optimizer=(attrs.get("optimizer") or {}).get("name"),
+                 train_config=config if isinstance(config, dict) else None)
+    return state
+
+
+def _non_empty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
+def drop_rows_after(path: str, step: int) -> int:
+    """Remove the rows with ``step`` > ``step`` (and unreadable lines) from a JSON-lines
+    file, atomically; the number removed. The file is left untouched when none is.
+
+    Not collective (rank 0 calls it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the torn last line of a killed run
+        s = row.get("step") if isinstance(row, dict) else None
+        if isinstance(s, (int, float)) and s > step:
+            continue
+        keep.append(line)
+    dropped = len(lines) - len(keep)
+    if dropped:
+        tmp = os.path.join(os.path.dirname(path) or ".",
+                           f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def remove_run_outputs(out: str) -> list[str]:
+    """Delete the checkpoints, the ``latest`` pointer and the run outputs of ``out``
+    (``--overwrite``); the names removed. Not collective (rank 0 calls it)."""
+    from mpidist.checkpoint import LATEST, list_checkpoints
+
+    names = [os.path.basename(p) for p in list_checkpoints(out)]
+    names += [n for n in (LATEST, *RUN_OUTPUTS) if os.path.exists(os.path.join(out, n))]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
+    return names

@@ -1,0 +1,145 @@
+"""What a run does with its ``--out``: start, resume, refuse, or find nothing to do.
+
+Pure functions of the settings, the flags the user gave and what rank 0 found in the
+directory (:func:`mpidist.run.directory.inspect_out`), so every rank decides the same.
+
+``--resume`` takes the run's settings from the checkpoint (``mpidist train`` stores them
+in every checkpoint): the user gives only what changes. Settings fall in four groups:
+
+* fixed (:data:`FIXED`): the model's shape, the dtype, the optimizer, the global batch,
+  the seed and the data. A flag that contradicts the checkpoint is an error.
+* hyperparameters (:data:`TUNABLE`): learning rate and its schedule, weight decay,
+  clipping. Restored unless given; a value given that differs is used, and said.
+* the layout (:data:`LAYOUT`): strategy and mesh and their options. Restored unless
+  ``--strategy`` is given (then the flags and defaults describe the new layout); ``--dp``
+  is restored only on the checkpoint's world size.
+* the run's length and cadence (:data:`CADENCE`): ``--steps`` (a larger value extends the
+  run), checkpoint and validation intervals, ``--data-binary``. Restored unless given.
+
+The learning-rate schedule decays over ``lr_decay_steps``, which a new run sets to its
+``--steps`` and every resume keeps: extending a run with a larger ``--steps`` continues at
+``--min-lr`` past that horizon, and giving ``--lr-decay-steps`` moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from mpidist.run.config import TrainConfig
+
+__all__ = ["CADENCE", "FIXED", "LAYOUT", "TUNABLE", "NothingToDo", "decide_start",
+           "flag", "resolve_settings"]
+
+FIXED = ("dtype", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "optimizer",
+         "global_batch", "seed", "data")
+TUNABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay",
+           "max_grad_norm")
+LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "micro_batches",
+          "sync_period", "compression", "topk_ratio", "powersgd_rank", "staleness",
+          "bucket_mb", "min_workers", "max_workers")
+CADENCE = ("steps", "checkpoint_interval", "keep", "eval_interval", "eval_batches",
+           "data_binary")
+
+
+class NothingToDo(Exception):  # noqa: N818 - not an error: the run is already there
+    """The checkpoint is at or past ``--steps``; the message says so."""
+
+
+def flag(name: str, value: Any) -> str:
+    """``--n-embd 32`` for ``("n_embd", 32)``."""
+    if value is None:
+        value = "none"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+    if name == "data" and a is not None and b is not None:
+        return os.path.realpath(str(a)) == os.path.realpath(str(b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) \
+            and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def decide_start(cfg: TrainConfig, state: dict[str, Any], restart: bool) -> str:
+    """``"resume"`` or ``"start"``, or a ValueError saying why neither.
+
+    ``restart``: a supervisor's restart or a requeued Slurm start, which resume when there
+    is a checkpoint whatever the flags say (``--overwrite`` applies to the first start).
+    """
+    out = cfg.out
+    if state.get("error"):
+        raise ValueError(f"--out {out}: the latest checkpoint cannot be read: {state['error']}")
+    has = state.get("latest") is not None
+    if restart or cfg.resume == "auto":
+        if cfg.overwrite and not restart:
+            raise ValueError("--overwrite and --resume auto contradict each other")
+        return "resume" if has else "start"
+    if cfg.resume:
+        if cfg.overwrite:
+            raise ValueError("--overwrite and --resume contradict each other")
+        if not has:
+            where = "does not exist" if not state.get("exists") else "holds no checkpoint"
+            raise ValueError(f"--resume: --out {out} {where}; give the directory of the run "
+                             "to continue, or --resume auto to start when there is none")
+        return "resume"
+    ckpts = list(state.get("checkpoints") or [])
+    if ckpts or has:
+        n = max(len(ckpts), 1)
+        what = f"{n} checkpoint{'s' if n > 1 else ''} of a run (latest " \
+               f"{os.path.basename(state['latest'] or ckpts[-1])}" + \
+               (f", step {state['step']})" if state.get("step") is not None else ")")
+    elif "metrics.jsonl" in (state.get("outputs") or ()):
+        if cfg.overwrite:
+            return "start"
+        raise ValueError(f"--out {out} holds the metrics.jsonl of a run that wrote no "
+                         "checkpoint; start over with --overwrite (deletes that run's files)")
+    else:
+        return "start"
+    if not cfg.overwrite:
+        raise ValueError(f"--out {out} holds {what}; continue it with --resume, or start "
+                         "over with --overwrite (deletes that run's files)")
+    return "start"
+
+
+def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
+                     world_size: int) -> tuple[TrainConfig, list[str]]:
+    """The settings of a run resumed from ``state``'s checkpoint, and notes to print.
+
+    ``given``: the settings the user set (flags and TOML keys). Raises ValueError (one
+    line) when a fixed setting contradicts the checkpoint, :class:`NothingToDo` when the
+    checkpoint is at or past ``--steps``.
+    """
+    path = state["latest"]
+    stored = dict(state.get("train_config") or {})
+    if not stored:  # not written by `mpidist train`: what the attributes say
+        stored = {k: v for k, v in (("dtype", state.get("dtype")),
+                                    ("optimizer", state.get("optimizer"))) if v is not None}
+    if stored.get("lr_decay_steps") is None and "steps" in stored:
+        stored["lr_decay_steps"] = stored["steps"]  # checkpoints from before the setting
+    clash = [k for k in FIXED if k in stored and k in given
+             and not _same(k, getattr(cfg, k), stored[k])]
+    if clash:
+        raise ValueError(
+            f"checkpoint {path} was trained with "
+            f"{' '.join(flag(k, stored[k]) for k in clash)}; this run asks for "
+            f"{' '.join(flag(k, getattr(cfg, k)) for k in clash)}")
+    restore = [k for k in (*FIXED, *TUNABLE, *CADENCE) if k in stored and k not in given]
+    if "strategy" not in given:
+        same_size = state.get("world_size") == world_size
+        restore += [k for k in LAYOUT if k in stored and k not in given
+                    and (k != "dp" or same_size)]
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: stored[k] for k in restore if k in known}
+    notes = [f"{flag(k, getattr(cfg, k))} (the checkpoint was trained with "
+             f"{flag(k, stored[k])})" for k in TUNABLE
+             if k in given and k in stored and not _same(k, getattr(cfg, k), stored[k])]
+    new = dataclasses.replace(cfg, **values)
+    step = int(state.get("step") or 0)
+    if new.steps <= step:
+        raise NothingToDo(
+            f"{os.path.basename(path)} in {cfg.out} is at step {step} and --steps is "
+            f"{new.steps}: nothing to do (give a larger --steps to train further)")
+    return new, notes
