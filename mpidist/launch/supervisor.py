@@ -7,9 +7,15 @@ job. The supervisor is an ordinary process (not under MPI) that launches::
 
 and, when that exits with a non-zero status, launches it again with the workers that are
 available now, within ``[min_workers, max_workers]``, up to ``--max-restarts`` times. The
-command continues from its latest committed checkpoint: give it ``--resume`` (``mpidist
-train --resume`` starts from step 0 when there is no checkpoint yet, so the same command
-serves the first launch and every restart). The checkpoint interval bounds the work lost.
+command continues from its latest committed checkpoint: give it ``--resume auto``
+(``mpidist train --resume auto`` starts from step 0 when there is no checkpoint yet, so the
+same command serves the first launch and every restart; a restart, ``MPIDIST_RESTART`` > 0,
+resumes when it can whatever the flags say). The checkpoint interval bounds the work lost.
+A launch that exits with status 2 refused its input and is not restarted.
+
+The supervisor holds the lock of the command's ``--out`` for the whole run
+(:mod:`mpidist.run.lock`) and hands it to every launch (``MPIDIST_RUN_LOCK_TOKEN``), so no
+other run can start in that directory between two launches.
 
 Environment of each launch (on top of the supervisor's own):
 
@@ -46,6 +52,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from mpidist.run.lock import TOKEN_ENV
 
 __all__ = ["Supervisor", "add_parser", "available_slots", "launch_env", "read_slots_file"]
 
@@ -136,6 +144,8 @@ class Supervisor:
     launcher: str = "mpiexec"
     launcher_args: list[str] = field(default_factory=list)
     backoff: float = 0.5
+    out: str | None = field(default=None, init=False)  #: the command's --out
+    lock_token: str = field(default="", init=False)  #: the token of the lock held
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -154,6 +164,7 @@ class Supervisor:
             raise ValueError(f"-n {self.n} is outside [--min-workers {self.min_workers}, "
                              f"--max-workers {self.max_workers}]")
         out = _flag_value(self.command, "--out")
+        self.out = out
         if self.checkpoint_dir is None:
             self.checkpoint_dir = out
         if self.events is None:
@@ -201,6 +212,24 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> int:
+        """Launch, and relaunch after failures; the exit status. Holds the lock of the
+        command's ``--out`` meanwhile (:mod:`mpidist.run.lock`), which its jobs inherit;
+        raises :class:`~mpidist.run.lock.LockHeldError` when another run holds it."""
+        from mpidist.run.lock import RunLock
+
+        lock = None
+        if self.out:
+            os.makedirs(self.out, exist_ok=True)
+            lock = RunLock(self.out, "mpidist run --elastic")
+            lock.acquire(inherit=os.environ.get(TOKEN_ENV) or None)
+            self.lock_token = lock.token
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self) -> int:
         n = 0
         rc = 1
         for attempt in range(self.max_restarts + 1):
@@ -218,6 +247,10 @@ class Supervisor:
             self.event("crash", attempt=attempt, world_size=n, returncode=rc)
             if rc in (-signal.SIGINT, 130):
                 return rc  # interrupted by the user, not a failure to recover from
+            if rc == 2:  # the command refused its input: a restart would too
+                self.event("gave_up", attempt=attempt, world_size=n,
+                           reason="the command refused its input (exit status 2)")
+                return rc
             time.sleep(self.backoff)
         self.event("gave_up", attempt=self.max_restarts, world_size=n,
                    reason=f"--max-restarts {self.max_restarts} used up")
@@ -225,6 +258,8 @@ class Supervisor:
 
     def _launch(self, n: int, attempt: int) -> int:
         env = launch_env(attempt, self.min_workers, self.max_workers)
+        if self.lock_token:
+            env[TOKEN_ENV] = self.lock_token
         proc = subprocess.Popen(self.argv(n), env=env, start_new_session=True)
         try:
             return proc.wait()

@@ -200,7 +200,7 @@ def test_elastic_supervisor_loses_a_whole_node(cluster: dict, tmp_path: Path) ->
     sup = subprocess.Popen(
         [*_mpidist(), "run", "--elastic", "--min-workers", "2", "--max-workers", "4", "-n", "4",
          "--max-restarts", "2", "--slots-file", str(hostfile), "--launcher",
-         str(state / "mpirun"), "--", *_mpidist(), "train", "--out", str(out), "--resume",
+         str(state / "mpirun"), "--", *_mpidist(), "train", "--out", str(out), "--resume", "auto",
          *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     try:
