@@ -106,6 +106,11 @@ def main() -> None:
         step = int(load_checkpoint(args.out, net, opt)["step"])
         if rank == 0:
             print(f"resumed at step {step} from {args.out} on {world} rank(s)")
+    if step >= args.steps:
+        if rank == 0:
+            print(f"{args.out} is at step {step} and --steps is {args.steps}: nothing to do")
+        dist.destroy_process_group()
+        return
 
     corpus = TextCorpus(64)
     b = args.global_batch // world
