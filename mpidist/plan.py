@@ -55,6 +55,9 @@ __all__ = [
     "parse_count",
     "plan",
     "reduce_scatter_time",
+    "default_shape",
+    "resolve_shape",
+    "shape_line",
     "zero_sync_time",
 ]
 
@@ -239,12 +242,58 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _nearest_multiple(x: float, step: int) -> int:
+    return max(step, int(round(x / step)) * step)
+
+
 def default_shape(params: float) -> tuple[int, int, int]:
-    """(layers, hidden, heads) of a GPT with about ``params`` parameters (12·L·h², h ≈ 128·L
-    rounded to a multiple of 128, heads of size 128) when the user gives none."""
-    layers = max(1, round((params / (12 * 128 * 128)) ** (1 / 3)))
-    hidden = max(128, int(round(math.sqrt(params / (12 * layers)) / 128)) * 128)
-    return layers, hidden, max(1, hidden // 128)
+    """(layers, hidden, heads) of a GPT with about ``params`` (= 12·L·h²) parameters when the
+    user gives none: heads of size 128 and ``h ≈ 128·L`` (the usual aspect), with counts
+    that divide well. The head count is a power of two below 8 and a multiple of 8 above
+    (every tp of 1, 2, 4, 8 divides it), the layer count a multiple of 4 from 6 layers on
+    (pipelines of 1, 2, 4 stages); 7.5B gives 36 layers, hidden 4096, 32 heads, 175B GPT-3's
+    96 x 12288 with 96 heads. Pure."""
+    if not (isinstance(params, (int, float)) and math.isfinite(params) and params > 0):
+        raise ValueError(f"params={params!r} must be a positive number")
+    aspect_layers = max(1.0, (params / (12 * 128 * 128)) ** (1 / 3))
+    target_heads = math.sqrt(params / (12 * aspect_layers)) / 128
+    if target_heads < 6:
+        heads = 2 ** max(0, round(math.log2(max(target_heads, 1.0))))
+    else:
+        heads = _nearest_multiple(target_heads, 8)
+    hidden = 128 * heads
+    layers = max(1.0, params / (12 * hidden * hidden))
+    n_layers = _nearest_multiple(layers, 4) if layers >= 6 else max(1, round(layers))
+    return n_layers, hidden, heads
+
+
+def resolve_shape(params: float, layers: int | None = None, hidden: int | None = None,
+                  heads: int | None = None) -> tuple[int, int, int, tuple[str, ...]]:
+    """``(layers, hidden, heads, defaulted)``: the shape given, completed from
+    :func:`default_shape` (heads of size 128 for a given hidden size), and the names of
+    the numbers that were not given. Pure."""
+    d_layers, d_hidden, d_heads = default_shape(params)
+    defaulted = tuple(n for n, v in (("layers", layers), ("hidden", hidden), ("heads", heads))
+                      if v is None)
+    layers = d_layers if layers is None else layers
+    hidden = d_hidden if hidden is None else hidden
+    if heads is None:
+        heads = d_heads if hidden == d_hidden else max(1, hidden // 128)
+    return layers, hidden, heads, defaulted
+
+
+def shape_line(params: float, layers: int, hidden: int, heads: int, seq_len: int, *,
+               defaulted: Sequence[str] = ()) -> str:
+    """One line saying which transformer shape a plan assumes, and which of its numbers are
+    the defaults for ``params``. Pure."""
+    line = (f"model: {layers} layers, hidden {hidden}, {heads} heads (size "
+            f"{hidden / heads:g}), sequence {seq_len}")
+    if len(defaulted) == 3:
+        line += (f": the default shape for {params:.3g} parameters (--layers, --hidden, "
+                 "--heads change it)")
+    elif defaulted:
+        line += f" ({', '.join(f'--{n}' for n in defaulted)} from {params:.3g} parameters)"
+    return line
 
 
 def activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
@@ -273,10 +322,7 @@ def _plan_inputs(params: float, devices: int, optimizer: str, precision: str,
         raise ValueError(f"devices={devices} differs from cluster.devices={cluster.devices}")
     p_bytes, g_bytes, _, _, act_bytes = _precision(precision)
     _moments(optimizer)
-    d_layers, d_hidden, d_heads = default_shape(params)
-    layers = d_layers if layers is None else layers
-    hidden = d_hidden if hidden is None else hidden
-    heads = (max(1, hidden // 128) if hidden != d_hidden else d_heads) if heads is None else heads
+    layers, hidden, heads, _ = resolve_shape(params, layers, hidden, heads)
     for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads),
                     ("seq_len", seq_len), ("micro_batch", micro_batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -415,14 +461,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--devices", required=True, type=int, help="number of devices")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_MOMENTS))
     p.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer layers (default: from --params, a multiple of 4, so "
+                        "that pipelines of 1, 2 and 4 stages divide them)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="hidden size (default: from --params, 128 x heads)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads; tensor parallelism needs tp to divide them "
+                        "(default: from --params, a multiple of 8; hidden / 128 for a given "
+                        "--hidden)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (default: 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch")
     p.add_argument("--global-batch", type=int, default=None, help="samples per step")
     p.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
-    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--devices-per-node", type=int, default=8,
+                   help="devices sharing the fast intra-node link (default: 8)")
     p.add_argument("--memory-gb", type=float, default=80.0, help="memory per device (1e9 B)")
     p.add_argument("--flops", type=float, default=312e12, help="peak FLOP/s per device")
     p.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of peak")
@@ -461,11 +514,16 @@ def run(args: argparse.Namespace) -> int:
         shown = [r for r in rows if r["fits"]]
     else:
         shown = rows
+    layers, hidden, heads, defaulted = resolve_shape(args.params, args.layers, args.hidden,
+                                                     args.heads)
     if args.json:
+        model = {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": args.seq_len,
+                 "defaulted": list(defaulted)}
         print(json.dumps({"cluster": asdict(cluster), "params": args.params,
                           "precision": args.precision, "optimizer": args.optimizer,
-                          "rows": shown}, indent=1))
+                          "model": model, "rows": shown}, indent=1))
         return 0
+    print(shape_line(args.params, layers, hidden, heads, args.seq_len, defaulted=defaulted))
     print(f"{args.params:.3g} parameters on {args.devices} devices ({args.precision}, "
           f"{args.optimizer}); {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit in "
           f"{args.memory_gb:g} GB")

@@ -158,3 +158,52 @@ def test_zero_sync_time_composition():
     assert P.zero_sync_time(1, 10, 5, 3, sync) == 25
     assert P.zero_sync_time(2, 10, 5, 3, sync) == 15
     assert P.zero_sync_time(3, 10, 5, 3, sync) == 10 + 2 * 3 * 5
+
+
+@pytest.mark.parametrize("params, shape", [
+    (7.5e9, (36, 4096, 32)), (1.3e9, (24, 2048, 16)), (13e9, (40, 5120, 40)),
+    (175e9, (96, 12288, 96)), (1e6, (1, 256, 2)),
+])
+def test_default_shapes_have_heads_that_tensor_parallelism_divides(params, shape):
+    assert P.default_shape(params) == shape
+    layers, hidden, heads = shape
+    assert hidden == 128 * heads
+    assert heads < 8 or heads % 8 == 0  # tp of 1, 2, 4, 8 divides every default head count
+    assert layers < 6 or layers % 4 == 0
+    assert 0.8 < 12 * layers * hidden ** 2 / params < 1.25 or params < 1e7
+    with pytest.raises(ValueError, match="params=0"):
+        P.default_shape(0)
+
+
+def test_default_plan_for_7_5b_proposes_tensor_parallelism():
+    rows = P.plan(7.5e9, 64, precision="mixed")
+    assert {r["tp"] for r in rows} == {1, 2, 4, 8}
+    assert rows[0]["fits"]
+
+
+def test_plan_command_prints_its_model_shape_and_documents_the_shape_flags():
+    import subprocess
+    import sys
+
+    def plan(*args):
+        proc = subprocess.run([sys.executable, "-m", "mpidist", "plan", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    out = plan("--params", "7.5B", "--devices", "64", "--precision", "mixed")
+    assert out.splitlines()[0] == (
+        "model: 36 layers, hidden 4096, 32 heads (size 128), sequence 2048: the default shape "
+        "for 7.5e+09 parameters (--layers, --hidden, --heads change it)")
+    tps = {int(line.split()[1]) for line in out.splitlines()[3:] if line.split()[-1] == "yes"}
+    assert tps > {1}
+    out = plan("--params", "7.5B", "--devices", "64", "--layers", "32", "--hidden", "5120")
+    assert out.splitlines()[0] == ("model: 32 layers, hidden 5120, 40 heads (size 128), "
+                                   "sequence 2048 (--heads from 7.5e+09 parameters)")
+    rows = json.loads(plan("--params", "7.5B", "--devices", "64", "--json"))
+    assert rows["model"] == {"layers": 36, "hidden": 4096, "heads": 32, "seq_len": 2048,
+                             "defaulted": ["layers", "hidden", "heads"]}
+    text = plan("--help")
+    for flag, words in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
+                        ("--heads", "attention heads")):
+        assert f"{flag} {flag[2:].upper()}" in text and words in text
