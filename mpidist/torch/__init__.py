@@ -14,6 +14,7 @@ torch                                             mpidist.torch
 ``torch.distributed.fsdp.fully_shard``            :func:`fully_shard` (FSDP2 style)
 ``torch.distributed``                             :mod:`mpidist.torch.distributed` (a thin layer)
 ``torch.distributed.checkpoint``                  :func:`save_checkpoint`, :func:`load_checkpoint`
+``torch.optim.AdamW``, ``Adam``, ``SGD``           :mod:`mpidist.torch.optim` (fused kernels)
 ================================================  ==============================================
 
 The wrappers' communicator is an mpi4py communicator given as ``comm=`` (default: every
