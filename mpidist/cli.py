@@ -85,9 +85,25 @@ def _rank() -> int:
 class _Parser(argparse.ArgumentParser):
     """Prints (usage, errors, help) on rank 0 only: every rank parses the same flags."""
 
+    #: the subcommands' parsers, by name (on the top-level parser)
+    subcommands: dict[str, argparse.ArgumentParser] = {}
+
     def _print_message(self, message: str, file: Any = None) -> None:
         if _rank() == 0:
             super()._print_message(message, file)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but an unknown flag after a subcommand is reported with that
+        subcommand's usage (``mpidist train --bogus`` shows ``train``'s flags)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            # the subcommand is the first word that names one (the top level's own flags
+            # take no value); its namespace entry may have been reused by its arguments
+            words = sys.argv[1:] if args is None else list(args)
+            name = next((w for w in words if w in self.subcommands), None)
+            where = self.subcommands[name] if name is not None else self
+            where.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     tools_cli.add_parsers(sub)
     plan.add_parser(sub)
     demo.add_parser(sub)
+    p.subcommands = dict(sub.choices)
     return p
 
 
