@@ -76,3 +76,13 @@ def test_directory_skips_and_counts_binary_files(tmp_path: Path, blob: Path):
     assert proc.stderr.strip() == (
         f"mpidist train: error: data='{only}': none of its 1 file(s) is text (e.g. x.bin); "
         "--data-binary (binary=True) trains on its bytes anyway")
+
+
+def test_an_unknown_train_flag_prints_trains_usage_once(tmp_path: Path):
+    proc = train(2, "--out", str(tmp_path / "run"), "--data-binry", *TINY)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: mpidist train [-h]")
+    assert lines[-1] == "mpidist train: error: unrecognized arguments: --data-binry"
+    assert proc.stderr.count("usage:") == 1 and "--data-binary" in proc.stderr
+    assert not (tmp_path / "run").exists()
