@@ -106,7 +106,7 @@ lint: setup
 
 warm: setup
 	@# Compile the Numba kernels once so MPI ranks do not all compile at the same time.
-	$(PY) -c "import mpidist.kernels as k, mpidist.nn.fused as f; k.warm_up(); f.warm_up()"
+	$(PY) -c "import mpidist.optim as o, mpidist.nn.fused as f; o.warm_up(); f.warm_up()"
 
 test-serial: setup
 	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests

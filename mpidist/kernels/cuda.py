@@ -1,9 +1,10 @@
-"""Fused optimizer kernels for CUDA devices: ``numba.cuda.jit`` with grid-stride loops.
+"""Kernels for CUDA devices: ``numba.cuda.jit`` with grid-stride loops.
 
-The math is line for line that of :mod:`mpidist.kernels.cpu` (same argument order, same
-operation order, scalars already of the arrays' dtype), so CPU and GPU runs agree to
-round-off. Arrays are anything exposing ``__cuda_array_interface__`` (Numba device arrays,
-CuPy, PyTorch CUDA tensors); under ``NUMBA_ENABLE_CUDASIM=1`` the simulator's device arrays.
+An optimizer's CUDA kernel is a grid-stride loop over the same element body as its CPU
+kernel (:func:`elementwise`; same argument order, same operations, scalars already of the
+arrays' dtype), so CPU and GPU runs agree to round-off. Arrays are anything exposing
+``__cuda_array_interface__`` (Numba device arrays, CuPy, PyTorch CUDA tensors); under
+``NUMBA_ENABLE_CUDASIM=1`` the simulator's device arrays.
 
 This module imports ``numba.cuda`` at import time; :mod:`mpidist.kernels` imports it only when
 a device array first shows up, so the CPU path works without CUDA.
@@ -14,23 +15,18 @@ copies its scalar result back and therefore synchronises. Not collective.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
 __all__ = [
-    "adagrad",
-    "adam",
-    "adam_amsgrad",
     "as_device_array",
+    "elementwise",
     "empty",
     "full",
-    "lion",
-    "rmsprop",
-    "sgd",
-    "sgd_momentum",
+    "launch",
     "sum_of_squares",
     "to_device",
     "to_host",
@@ -42,138 +38,12 @@ _THREADS = 256
 _MAX_BLOCKS = 4096
 
 
+_LOOPS: dict[tuple[Any, int], Any] = {}
+
+
 def _grid(n: int) -> tuple[int, int]:
     blocks = max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS))
     return blocks, _THREADS
-
-
-@cuda.jit
-def _sgd(p, g, grad_scale, weight_decay, lr):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        p[i] = pi - lr * d
-
-
-@cuda.jit
-def _sgd_momentum(
-    p, g, buf, grad_scale, weight_decay, lr, momentum, one_minus_dampening, nesterov, first
-):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        if first:
-            b = d
-        else:
-            b = momentum * buf[i] + one_minus_dampening * d
-        buf[i] = b
-        if nesterov:
-            d = d + momentum * b
-        else:
-            d = b
-        p[i] = pi - lr * d
-
-
-@cuda.jit
-def _adam(
-    p, g, m, v, grad_scale, weight_decay, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
-    step_size, bias_correction2_sqrt, eps,
-):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        mi = beta1 * m[i] + one_minus_beta1 * d
-        vi = beta2 * v[i] + one_minus_beta2 * d * d
-        m[i] = mi
-        v[i] = vi
-        denom = math.sqrt(vi) / bias_correction2_sqrt + eps
-        p[i] = pi * decay - step_size * (mi / denom)
-
-
-@cuda.jit
-def _adam_amsgrad(
-    p, g, m, v, vmax, grad_scale, weight_decay, decay, beta1, one_minus_beta1, beta2,
-    one_minus_beta2, step_size, bias_correction2_sqrt, eps,
-):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        mi = beta1 * m[i] + one_minus_beta1 * d
-        vi = beta2 * v[i] + one_minus_beta2 * d * d
-        mx = vmax[i]
-        if vi > mx:
-            mx = vi
-        m[i] = mi
-        v[i] = vi
-        vmax[i] = mx
-        denom = math.sqrt(mx) / bias_correction2_sqrt + eps
-        p[i] = pi * decay - step_size * (mi / denom)
-
-
-@cuda.jit
-def _rmsprop(
-    p, g, square_avg, grad_avg, buf, grad_scale, weight_decay, lr, alpha, one_minus_alpha, eps,
-    momentum, centered, use_momentum,
-):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        s = alpha * square_avg[i] + one_minus_alpha * d * d
-        square_avg[i] = s
-        if centered:
-            ga = alpha * grad_avg[i] + one_minus_alpha * d
-            grad_avg[i] = ga
-            avg = math.sqrt(s - ga * ga) + eps
-        else:
-            avg = math.sqrt(s) + eps
-        if use_momentum:
-            b = momentum * buf[i] + d / avg
-            buf[i] = b
-            p[i] = pi - lr * b
-        else:
-            p[i] = pi - lr * (d / avg)
-
-
-@cuda.jit
-def _adagrad(p, g, state_sum, grad_scale, weight_decay, clr, eps):  # pragma: no cover
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        pi = p[i]
-        d = grad_scale * g[i] + weight_decay * pi
-        s = state_sum[i] + d * d
-        state_sum[i] = s
-        std = math.sqrt(s) + eps
-        p[i] = pi - clr * (d / std)
-
-
-@cuda.jit
-def _lion(
-    p, g, m, grad_scale, decay, lr, beta1, one_minus_beta1, beta2, one_minus_beta2
-):  # pragma: no cover - device code
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, p.shape[0], stride):
-        d = grad_scale * g[i]
-        mi = m[i]
-        c = beta1 * mi + one_minus_beta1 * d
-        pi = p[i] * decay
-        if c > 0:
-            pi = pi - lr
-        elif c < 0:
-            pi = pi + lr
-        p[i] = pi
-        m[i] = beta2 * mi + one_minus_beta2 * d
 
 
 @cuda.jit
@@ -204,39 +74,27 @@ def _launch(kernel: Any, p: Any, *args: Any) -> None:
     kernel[blocks, threads](p, *args)
 
 
-def sgd(p: Any, *args: Any) -> None:
-    """Launch the SGD kernel (see :func:`mpidist.kernels.cpu.sgd`)."""
-    _launch(_sgd, p, *args)
+def elementwise(element: Callable[..., None], n_args: int) -> Any:
+    """The CUDA kernel of an optimizer's element body: a grid-stride loop that calls
+    ``element(i, a0, ..., a{n-1})`` for every index ``i`` of its first argument (an array).
+    Built once per body (Numba CUDA kernels take no ``*args``, so the loop's source is
+    written for the body's number of arguments)."""
+    kernel = _LOOPS.get((element, n_args))
+    if kernel is None:
+        names = ", ".join(f"a{k}" for k in range(n_args))
+        source = (f"def loop({names}):\n"
+                  f"    for i in range(cuda.grid(1), a0.shape[0], cuda.gridsize(1)):\n"
+                  f"        element(i, {names})\n")
+        scope: dict[str, Any] = {"cuda": cuda, "element": element}
+        exec(compile(source, f"<elementwise {element.__name__}>", "exec"), scope)  # noqa: S102
+        kernel = _LOOPS[(element, n_args)] = cuda.jit(scope["loop"])
+    return kernel
 
 
-def sgd_momentum(p: Any, *args: Any) -> None:
-    """Launch the SGD-momentum kernel (see :func:`mpidist.kernels.cpu.sgd_momentum`)."""
-    _launch(_sgd_momentum, p, *args)
-
-
-def adam(p: Any, *args: Any) -> None:
-    """Launch the Adam/AdamW kernel (see :func:`mpidist.kernels.cpu.adam`)."""
-    _launch(_adam, p, *args)
-
-
-def adam_amsgrad(p: Any, *args: Any) -> None:
-    """Launch the AMSGrad kernel (see :func:`mpidist.kernels.cpu.adam_amsgrad`)."""
-    _launch(_adam_amsgrad, p, *args)
-
-
-def rmsprop(p: Any, *args: Any) -> None:
-    """Launch the RMSprop kernel (see :func:`mpidist.kernels.cpu.rmsprop`)."""
-    _launch(_rmsprop, p, *args)
-
-
-def adagrad(p: Any, *args: Any) -> None:
-    """Launch the Adagrad kernel (see :func:`mpidist.kernels.cpu.adagrad`)."""
-    _launch(_adagrad, p, *args)
-
-
-def lion(p: Any, *args: Any) -> None:
-    """Launch the Lion kernel (see :func:`mpidist.kernels.cpu.lion`)."""
-    _launch(_lion, p, *args)
+def launch(element: Callable[..., None], *args: Any) -> None:
+    """Run ``element`` over the elements of ``args[0]`` on the device (asynchronous on
+    the default stream)."""
+    _launch(elementwise(element, len(args)), *args)
 
 
 def sum_of_squares(x: Any) -> float:

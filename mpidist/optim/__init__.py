@@ -13,18 +13,28 @@ Usage on one shard::
 
 Hyperparameters and state serialise to plain dicts (``config()``/``from_config``,
 ``state_to_dict``/``state_from_dict``); nothing is pickled.
+
+One registry: :data:`OPTIMIZERS` (name -> class) is what the command line, the TOML
+configuration, the planner and :func:`warm_up` read. An optimizer is one module: its
+hyperparameters and state names (an :class:`Optimizer` dataclass), its element-wise update
+body, written once and compiled both as the CPU kernel and as the CUDA kernel
+(:class:`mpidist.kernels.Update`), and the ``fused_*`` function that derives the body's
+scalars. A new optimizer is that module plus its line in :data:`OPTIMIZERS`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mpidist.optim.adagrad import Adagrad
-from mpidist.optim.adam import Adam, AdamW
+import numpy as np
+
+from mpidist import kernels
+from mpidist.optim.adagrad import Adagrad, fused_adagrad
+from mpidist.optim.adam import Adam, AdamW, fused_adam
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.optim.clipping import clip_scale, global_norm
-from mpidist.optim.lion import Lion
-from mpidist.optim.rmsprop import RMSprop
+from mpidist.optim.lion import Lion, fused_lion
+from mpidist.optim.rmsprop import RMSprop, fused_rmsprop
 from mpidist.optim.schedules import (
     ConstantSchedule,
     Schedule,
@@ -33,7 +43,7 @@ from mpidist.optim.schedules import (
     create_schedule,
     schedule_from_config,
 )
-from mpidist.optim.sgd import SGD
+from mpidist.optim.sgd import SGD, fused_sgd
 
 __all__ = [
     "OPTIMIZERS",
@@ -53,8 +63,14 @@ __all__ = [
     "create",
     "create_schedule",
     "from_config",
+    "fused_adagrad",
+    "fused_adam",
+    "fused_lion",
+    "fused_rmsprop",
+    "fused_sgd",
     "global_norm",
     "schedule_from_config",
+    "warm_up",
 ]
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {
@@ -78,3 +94,16 @@ def from_config(config: dict[str, Any]) -> Optimizer:
     if "name" not in cfg:
         raise ValueError(f"optimizer config {config!r} has no 'name'")
     return create(cfg.pop("name"), **cfg)
+
+
+def warm_up(dtypes: tuple[Any, ...] = (np.float32, np.float64)) -> None:
+    """Compile every optimizer's CPU kernel (and mpidist.kernels' own) for each dtype on tiny
+    arrays, filling Numba's on-disk cache, so that MPI ranks started later load the kernels
+    instead of compiling them all at once. Not collective; run it once before launching
+    many ranks (``make warm``)."""
+    kernels.warm_up(dtypes)
+    for cls in OPTIMIZERS.values():
+        opt = cls()
+        for dt in dtypes:
+            param, grad = np.ones(4, dt), np.full(4, 0.5, dt)
+            opt.update(param, grad, opt.init_state(param))

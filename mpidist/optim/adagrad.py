@@ -5,13 +5,44 @@ Semantics of ``torch.optim.Adagrad``; formulas in ``docs/optimizers.md``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from numba import prange
+from numba.extending import register_jitable
+
 from mpidist import kernels
+from mpidist.kernels.cpu import loop
 from mpidist.optim.base import Optimizer, OptimizerState, check_bool, check_real
 
-__all__ = ["Adagrad"]
+__all__ = ["Adagrad", "fused_adagrad"]
+
+
+@register_jitable
+def _adagrad(i, p, g, state_sum, grad_scale, weight_decay, clr, eps):  # pragma: no cover
+    pi = p[i]
+    d = grad_scale * g[i] + weight_decay * pi
+    s = state_sum[i] + d * d
+    state_sum[i] = s
+    std = math.sqrt(s) + eps
+    p[i] = pi - clr * (d / std)
+
+
+@loop
+def _adagrad_cpu(p, g, state_sum, grad_scale, weight_decay, clr, eps):  # pragma: no cover
+    for i in prange(p.shape[0]):
+        _adagrad(i, p, g, state_sum, grad_scale, weight_decay, clr, eps)
+
+
+_UPDATE = kernels.Update("adagrad", _adagrad, _adagrad_cpu,
+                         arrays=("param", "grad", "state_sum"), written=("param", "state_sum"))
+
+
+def fused_adagrad(param: Any, grad: Any, state_sum: Any, *, clr: float, eps: float,
+                  weight_decay: float = 0.0, grad_scale: float = 1.0) -> None:
+    """Adagrad update in one pass with the step's learning rate ``clr``. Not collective."""
+    _UPDATE((param, grad, state_sum), (grad_scale, weight_decay, clr, eps))
 
 
 @dataclass(frozen=True)
@@ -48,7 +79,7 @@ class Adagrad(Optimizer):
     def _update(
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
-        kernels.adagrad(
+        fused_adagrad(
             param,
             grad,
             state.buffers["sum"],

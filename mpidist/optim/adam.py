@@ -6,13 +6,68 @@ Semantics of ``torch.optim.Adam`` and ``torch.optim.AdamW``; formulas in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from numba import prange
+from numba.extending import register_jitable
+
 from mpidist import kernels
+from mpidist.kernels.cpu import loop
 from mpidist.optim.base import Optimizer, OptimizerState, check_betas, check_bool, check_real
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "fused_adam"]
+
+
+@register_jitable
+def _adam(i, p, g, m, v, vmax, grad_scale, weight_decay, decay, beta1, one_minus_beta1, beta2,
+          one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+          amsgrad):  # pragma: no cover - compiled
+    pi = p[i]
+    d = grad_scale * g[i] + weight_decay * pi
+    mi = beta1 * m[i] + one_minus_beta1 * d
+    vi = beta2 * v[i] + one_minus_beta2 * d * d
+    m[i] = mi
+    v[i] = vi
+    if amsgrad:  # the denominator uses the running maximum of v
+        mx = vmax[i]
+        if vi > mx:
+            mx = vi
+        vmax[i] = mx
+        vi = mx
+    denom = math.sqrt(vi) / bias_correction2_sqrt + eps
+    p[i] = pi * decay - step_size * (mi / denom)
+
+
+@loop
+def _adam_cpu(p, g, m, v, vmax, grad_scale, weight_decay, decay, beta1, one_minus_beta1, beta2,
+              one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+              amsgrad):  # pragma: no cover - compiled
+    for i in prange(p.shape[0]):
+        _adam(i, p, g, m, v, vmax, grad_scale, weight_decay, decay, beta1, one_minus_beta1,
+              beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, amsgrad)
+
+
+_UPDATE = kernels.Update(
+    "adam", _adam, _adam_cpu,
+    arrays=("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    written=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), optional=("max_exp_avg_sq",),
+)
+
+
+def fused_adam(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any,
+               max_exp_avg_sq: Any = None, *, step_size: float, bias_correction2_sqrt: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+               decay: float = 1.0, grad_scale: float = 1.0) -> None:
+    """Adam/AdamW update in one pass. ``weight_decay`` is Adam's L2 term (added to the
+    gradient), ``decay`` AdamW's factor ``1 - lr*weight_decay`` on the parameter;
+    ``step_size = lr/(1-beta1**t)``, ``bias_correction2_sqrt = (1-beta2**t)**0.5``. With
+    ``max_exp_avg_sq`` (AMSGrad) the denominator uses the running maximum of ``exp_avg_sq``.
+    Not collective."""
+    _UPDATE((param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq),
+            (grad_scale, weight_decay, decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+             step_size, bias_correction2_sqrt, eps, max_exp_avg_sq is not None))
 
 
 @dataclass(frozen=True)
@@ -55,7 +110,7 @@ class Adam(Optimizer):
         else:
             l2, decay = self.weight_decay, 1.0
         b = state.buffers
-        kernels.adam(
+        fused_adam(
             param,
             grad,
             b["exp_avg"],

@@ -172,7 +172,7 @@ class Optimizer:
         for key in self.state_names():
             value = self._initial_value(key)
             if device:
-                buffers[key] = kernels._cuda().full(n, value, dt)
+                buffers[key] = kernels.device_module().full(n, value, dt)
             else:
                 buffers[key] = np.full(n, value, dtype=dt)
         return OptimizerState(step=0, buffers=buffers)
@@ -184,7 +184,7 @@ class Optimizer:
         out: StateDict = {"step": int(state.step)}
         for key in self.state_names():
             buf = state.buffers[key]
-            out[key] = kernels._cuda().to_host(buf) if kernels.is_device_array(buf) else buf
+            out[key] = kernels.device_module().to_host(buf) if kernels.is_device_array(buf) else buf
         return out
 
     def state_from_dict(self, d: dict[str, Any], *, like: Any = None) -> OptimizerState:
@@ -222,7 +222,7 @@ class Optimizer:
                 raise ValueError(f"{owner}: state {key!r} has length {arr.shape[0]}, expected {n}")
             dt = arr.dtype if like is None else np.dtype(like.dtype)
             host = np.array(arr, dtype=dt, order="C", copy=True)
-            buffers[key] = kernels._cuda().to_device(host) if device else host
+            buffers[key] = kernels.device_module().to_device(host) if device else host
         return OptimizerState(step=int(step), buffers=buffers)
 
     # -- update ----------------------------------------------------------------------------

@@ -5,13 +5,68 @@ Semantics of ``torch.optim.RMSprop``; formulas in ``docs/optimizers.md``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from numba import prange
+from numba.extending import register_jitable
+
 from mpidist import kernels
+from mpidist.kernels.cpu import loop
 from mpidist.optim.base import Optimizer, OptimizerState, check_bool, check_real
 
-__all__ = ["RMSprop"]
+__all__ = ["RMSprop", "fused_rmsprop"]
+
+
+@register_jitable
+def _rmsprop(i, p, g, square_avg, grad_avg, buf, grad_scale, weight_decay, lr, alpha,
+             one_minus_alpha, eps, momentum, centered,
+             use_momentum):  # pragma: no cover - compiled
+    pi = p[i]
+    d = grad_scale * g[i] + weight_decay * pi
+    s = alpha * square_avg[i] + one_minus_alpha * d * d
+    square_avg[i] = s
+    if centered:
+        ga = alpha * grad_avg[i] + one_minus_alpha * d
+        grad_avg[i] = ga
+        avg = math.sqrt(s - ga * ga) + eps
+    else:
+        avg = math.sqrt(s) + eps
+    if use_momentum:
+        b = momentum * buf[i] + d / avg
+        buf[i] = b
+        p[i] = pi - lr * b
+    else:
+        p[i] = pi - lr * (d / avg)
+
+
+@loop
+def _rmsprop_cpu(p, g, square_avg, grad_avg, buf, grad_scale, weight_decay, lr, alpha,
+                 one_minus_alpha, eps, momentum, centered,
+                 use_momentum):  # pragma: no cover - compiled
+    for i in prange(p.shape[0]):
+        _rmsprop(i, p, g, square_avg, grad_avg, buf, grad_scale, weight_decay, lr, alpha,
+                 one_minus_alpha, eps, momentum, centered, use_momentum)
+
+
+_UPDATE = kernels.Update(
+    "rmsprop", _rmsprop, _rmsprop_cpu,
+    arrays=("param", "grad", "square_avg", "grad_avg", "momentum_buffer"),
+    written=("param", "square_avg", "grad_avg", "momentum_buffer"),
+    optional=("grad_avg", "momentum_buffer"),
+)
+
+
+def fused_rmsprop(param: Any, grad: Any, square_avg: Any, grad_avg: Any = None,
+                  momentum_buffer: Any = None, *, lr: float, alpha: float, eps: float,
+                  weight_decay: float = 0.0, momentum: float = 0.0,
+                  grad_scale: float = 1.0) -> None:
+    """RMSprop update in one pass; centered when ``grad_avg`` is given, with momentum when
+    ``momentum_buffer`` is given. Not collective."""
+    _UPDATE((param, grad, square_avg, grad_avg, momentum_buffer),
+            (grad_scale, weight_decay, lr, alpha, 1.0 - alpha, eps, momentum,
+             grad_avg is not None, momentum_buffer is not None))
 
 
 @dataclass(frozen=True)
@@ -50,7 +105,7 @@ class RMSprop(Optimizer):
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
         b = state.buffers
-        kernels.rmsprop(
+        fused_rmsprop(
             param,
             grad,
             b["square_avg"],

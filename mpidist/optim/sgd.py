@@ -8,10 +8,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from numba import prange
+from numba.extending import register_jitable
+
 from mpidist import kernels
+from mpidist.kernels.cpu import loop
 from mpidist.optim.base import Optimizer, OptimizerState, check_bool, check_real
 
-__all__ = ["SGD"]
+__all__ = ["SGD", "fused_sgd"]
+
+
+@register_jitable
+def _sgd(i, p, g, buf, grad_scale, weight_decay, lr, momentum, one_minus_dampening,
+         nesterov, first, use_momentum):  # pragma: no cover - compiled
+    pi = p[i]
+    d = grad_scale * g[i] + weight_decay * pi
+    if use_momentum:
+        if first:
+            b = d
+        else:
+            b = momentum * buf[i] + one_minus_dampening * d
+        buf[i] = b
+        if nesterov:
+            d = d + momentum * b
+        else:
+            d = b
+    p[i] = pi - lr * d
+
+
+@loop
+def _sgd_cpu(p, g, buf, grad_scale, weight_decay, lr, momentum, one_minus_dampening,
+             nesterov, first, use_momentum):  # pragma: no cover - compiled
+    for i in prange(p.shape[0]):
+        _sgd(i, p, g, buf, grad_scale, weight_decay, lr, momentum, one_minus_dampening,
+             nesterov, first, use_momentum)
+
+
+_UPDATE = kernels.Update("sgd", _sgd, _sgd_cpu, arrays=("param", "grad", "momentum_buffer"),
+                         written=("param", "momentum_buffer"), optional=("momentum_buffer",))
+
+
+def fused_sgd(param: Any, grad: Any, momentum_buffer: Any = None, *, lr: float,
+              weight_decay: float = 0.0, momentum: float = 0.0, dampening: float = 0.0,
+              nesterov: bool = False, first: bool = False, grad_scale: float = 1.0) -> None:
+    """SGD update in one pass: ``d = grad_scale*grad + weight_decay*param``; with a
+    ``momentum_buffer``: ``buf = d`` if ``first`` else ``momentum*buf + (1-dampening)*d``,
+    then ``d = d + momentum*buf`` (nesterov) or ``d = buf``; finally ``param -= lr*d``.
+    Not collective."""
+    _UPDATE((param, grad, momentum_buffer),
+            (grad_scale, weight_decay, lr, momentum, 1.0 - dampening, bool(nesterov),
+             bool(first), momentum_buffer is not None))
 
 
 @dataclass(frozen=True)
@@ -48,9 +94,9 @@ class SGD(Optimizer):
     ) -> None:
         gs = -grad_scale if self.maximize else grad_scale
         if self.momentum == 0.0:
-            kernels.sgd(param, grad, lr=lr, weight_decay=self.weight_decay, grad_scale=gs)
+            fused_sgd(param, grad, lr=lr, weight_decay=self.weight_decay, grad_scale=gs)
             return
-        kernels.sgd(
+        fused_sgd(
             param,
             grad,
             state.buffers["momentum_buffer"],

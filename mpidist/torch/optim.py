@@ -3,7 +3,7 @@
 ``Adam``, ``AdamW`` and ``SGD`` are ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (their
 constructors, checks, parameter groups, ``state_dict``/``load_state_dict`` and state layout
 are torch's own, so state dicts move between the two freely); only ``step`` differs: each
-parameter is updated by ONE pass of :mod:`mpidist.kernels` over its elements (Numba ``njit``
+parameter is updated by ONE pass of mpidist's fused kernel over its elements (Numba ``njit``
 on CPU tensors, ``numba.cuda`` on CUDA tensors, through ``__cuda_array_interface__``) instead
 of torch's sequence of elementwise operations. The results equal torch's to round-off
 (float64: 1e-10 relative, in the tests).
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mpidist import kernels
+from mpidist.optim import fused_adam, fused_sgd
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -102,7 +102,7 @@ class _FusedAdam:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         decoupled = group.get("decoupled_weight_decay", self._decoupled)
         l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
-        kernels.adam(
+        fused_adam(
             _array(p, "parameter"), _array(p.grad, "gradient"),
             _array(state["exp_avg"], "exp_avg"), _array(state["exp_avg_sq"], "exp_avg_sq"),
             _array(state["max_exp_avg_sq"], "max_exp_avg_sq") if group["amsgrad"] else None,
@@ -114,7 +114,7 @@ class _FusedAdam:
 
 
 class Adam(_FusedAdam, torch.optim.Adam):
-    """``torch.optim.Adam`` whose update is :func:`mpidist.kernels.adam` (one fused pass per
+    """``torch.optim.Adam`` whose update is :func:`mpidist.optim.fused_adam` (one fused pass per
     parameter; ``amsgrad``, ``maximize`` and L2 ``weight_decay`` as torch). Not collective."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
@@ -128,7 +128,7 @@ class Adam(_FusedAdam, torch.optim.Adam):
 
 class AdamW(_FusedAdam, torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay: ``p *= 1 - lr*weight_decay`` in the
-    same pass) whose update is :func:`mpidist.kernels.adam`. Not collective."""
+    same pass) whose update is :func:`mpidist.optim.fused_adam`. Not collective."""
 
     _decoupled = True
 
@@ -142,7 +142,7 @@ class AdamW(_FusedAdam, torch.optim.AdamW):
 
 
 class SGD(torch.optim.SGD):
-    """``torch.optim.SGD`` whose update is :func:`mpidist.kernels.sgd` (momentum, dampening,
+    """``torch.optim.SGD`` whose update is :func:`mpidist.optim.fused_sgd` (momentum, dampening,
     nesterov, ``maximize`` and weight decay as torch; the momentum buffer is set to the
     first step's gradient). Not collective."""
 
@@ -176,14 +176,14 @@ class SGD(torch.optim.SGD):
         scale = -1.0 if group["maximize"] else 1.0
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         if momentum == 0.0:
-            kernels.sgd(_array(p, "parameter"), _array(p.grad, "gradient"), lr=lr,
+            fused_sgd(_array(p, "parameter"), _array(p.grad, "gradient"), lr=lr,
                         weight_decay=wd, grad_scale=scale)
             return
         state = self.state[p]
         first = state.get("momentum_buffer") is None
         if first:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        kernels.sgd(_array(p, "parameter"), _array(p.grad, "gradient"),
+        fused_sgd(_array(p, "parameter"), _array(p.grad, "gradient"),
                     _array(state["momentum_buffer"], "momentum_buffer"), lr=lr,
                     weight_decay=wd, momentum=momentum, dampening=float(group["dampening"]),
                     nesterov=bool(group["nesterov"]), first=first, grad_scale=scale)
