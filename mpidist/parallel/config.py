@@ -25,8 +25,9 @@ class ShardingConfiguration:
         overlap: start each bucket's nonblocking allreduce as soon as backward has
             filled it (else all buckets are reduced after backward).
         max_grad_norm: clip gradients to this global L2 norm; None turns clipping off.
-        micro_batches: micro-batches per step (gradient accumulation); the local batch
-            must divide by it.
+        micro_batches: micro-batches per step (gradient accumulation); a local batch that
+            does not divide by it is split into parts one sample apart, and needs at least
+            one sample per micro-batch.
         dtype: parameter, gradient and optimizer-state dtype, "float32" or "float64".
         auto_sync_gradients: whether the wrapped model's ``backward`` synchronises
             gradients by itself (DDPModel); when False the caller calls ``sync_gradients``.
