@@ -98,7 +98,7 @@ $(TORCH_STAMP): $(DEPS_STAMP)
 	@$(PY) -c "import torch" 2>/dev/null && touch $@ || true
 
 run: warm
-	$(MPIEXEC) -n $(NP) $(BIN)/mpidist train --out runs/train $(RUN_ARGS)
+	$(MPIEXEC) -n $(NP) $(BIN)/mpidist train --out runs/train --overwrite $(RUN_ARGS)
 	$(BIN)/mpidist sample runs/train --prompt "def main(" --tokens 160
 
 lint: setup
