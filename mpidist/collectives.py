@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist import devices as _dev
 from mpidist import topology as _topo
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "allgather",
     "allgather_inplace",
     "allgather_varied",
+    "cuda_aware",
     "allreduce",
     "broadcast",
     "iallgather",
@@ -120,42 +122,16 @@ def _check_op(op: str, allowed: Sequence[str] = _REDUCE_OPS) -> None:
         raise ValueError(f"op={op!r} is not one of {tuple(allowed)}")
 
 
-# -- device arrays ------------------------------------------------------------------------
-def _is_device(a: Any) -> bool:
-    # Real device arrays expose __cuda_array_interface__; the Numba CUDA simulator's
-    # FakeCUDAArray marks itself with __cuda_ndarray__ instead.
-    return not isinstance(a, np.ndarray) and (
-        hasattr(a, "__cuda_array_interface__") or hasattr(a, "__cuda_ndarray__")
-    )
+# -- device arrays (mpidist.devices) ------------------------------------------------------
+_is_device = _dev.is_device
+cuda_aware = _dev.cuda_aware
 
 
-def cuda_aware() -> bool:
-    """Whether MPI can take device pointers directly (``MPIDIST_CUDA_AWARE`` overrides)."""
-    env = os.environ.get("MPIDIST_CUDA_AWARE")
-    if env is not None:
-        return env not in ("", "0", "false", "no")
-    try:
-        from mpi4py import MPI
-
-        return bool(MPI.Query_cuda_support())
-    except Exception:  # older MPI or mpi4py without the query
-        return False
-
-
-def _to_host(a: Any) -> tuple[np.ndarray, Callable[[np.ndarray], None] | None]:
-    """Host array for ``a`` and a callback that copies a host result back, if staged."""
-    if not _is_device(a) or cuda_aware():
-        return a, None
-    host = a.copy_to_host()
-
-    def back(result: np.ndarray) -> None:
-        a.copy_to_device(result)
-
-    return host, back
-
-
-def _check_array(a: Any, what: str, reduce: bool = False) -> np.ndarray:
+def _check_array(a: Any, what: str, reduce: bool = False) -> Any:
+    """``a`` as the collectives use it (a device array as a Numba view of it), after
+    checking it; TypeError/ValueError naming ``what`` otherwise."""
     if _is_device(a):
+        a = _dev.view(a)
         dtype = np.dtype(a.dtype)
     elif isinstance(a, np.ndarray):
         if not a.flags.c_contiguous:
@@ -330,19 +306,19 @@ def iallreduce(
     ``MPIDIST_HIERARCHICAL_MIN_BYTES`` up); None reads ``MPIDIST_COLLECTIVES`` (default auto).
     """
     _check_op(op)
-    _check_array(buf, "allreduce buffer", reduce=True)
+    b = _check_array(buf, "allreduce buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1:
         return Request([], buf)
     if _debug:
-        _maybe_check(comm, f"allreduce[{op}]", buf)
-    host, back = _to_host(buf)
+        _maybe_check(comm, f"allreduce[{op}]", b)
+    host, back = _dev.stage(b)
     topo = _two_level(comm, host, host.nbytes, algorithm)
 
     def finish() -> None:
         if op == "avg":
-            _scale(host, n)
+            _dev.scale(host, n)
         if back is not None:
             back(host)
 
@@ -351,13 +327,6 @@ def iallreduce(
         return Request([], buf, finish, stages=stages)
     req = comm.Iallreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
     return Request([req], buf, finish)
-
-
-def _scale(a: np.ndarray, n: int) -> None:
-    if a.dtype.kind == "f":
-        a *= a.dtype.type(1.0 / n)
-    else:
-        a //= n
 
 
 def allreduce(
@@ -369,19 +338,19 @@ def allreduce(
     :func:`iallreduce`.
     """
     _check_op(op)
-    _check_array(buf, "allreduce buffer", reduce=True)
+    b = _check_array(buf, "allreduce buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
     if n == 1:
         return buf
-    if _two_level(comm, buf, buf.nbytes, algorithm) is not None:
+    if _two_level(comm, b, b.nbytes, algorithm) is not None:
         return iallreduce(buf, op, comm=comm, algorithm=algorithm).wait()
     if _debug:
-        _maybe_check(comm, f"allreduce[{op}]", buf)
-    host, back = _to_host(buf)
+        _maybe_check(comm, f"allreduce[{op}]", b)
+    host, back = _dev.stage(b)
     comm.Allreduce(_mpi().IN_PLACE, _flat(host), op=_mpi_op(op))
     if op == "avg":
-        _scale(host, n)
+        _dev.scale(host, n)
     if back is not None:
         back(host)
     return buf
@@ -410,41 +379,40 @@ def ireduce_scatter(
     ``op`` is sum or avg; ``algorithm`` as in :func:`iallreduce`.
     """
     _check_op(op, ("sum", "avg"))
-    _check_array(buf, "reduce_scatter buffer", reduce=True)
+    b = _check_array(buf, "reduce_scatter buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
-    numel = buf.size
+    numel = b.size
     s = -(-numel // n)
     if out is not None:
-        _check_array(out, "reduce_scatter output", reduce=True)
-        if out.size != s or np.dtype(out.dtype) != np.dtype(buf.dtype):
+        o = _check_array(out, "reduce_scatter output", reduce=True)
+        if o.size != s or np.dtype(o.dtype) != np.dtype(b.dtype):
             raise ValueError(
-                f"reduce_scatter output has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                f"need {s} elements of {buf.dtype}"
+                f"reduce_scatter output has shape {tuple(o.shape)} and dtype {o.dtype}; "
+                f"need {s} elements of {b.dtype}"
             )
     if n == 1:
         if out is None:
-            return Request([], _flat(buf))
-        if _is_device(out):
-            out.copy_to_device(buf.copy_to_host() if _is_device(buf) else buf)
-        else:
-            np.copyto(_flat(out), _flat(buf))
+            return Request([], _flat(b))
+        _dev.copy(o, b)
         return Request([], out)
     if _debug:
-        _maybe_check(comm, f"reduce_scatter[{op}]", buf)
-    host_in, _ = _to_host(buf)
+        _maybe_check(comm, f"reduce_scatter[{op}]", b)
+    host_in, _ = _dev.stage(b)
+    if _is_device(host_in) and numel % n:  # CUDA-aware MPI, but padding is done on the host
+        host_in = host_in.copy_to_host()
     send = _padded_input(host_in, n)
     if out is None:
         result = np.empty(s, dtype=send.dtype)
         back = None
         target: Any = result
     else:
-        result, back = _to_host(out)
+        result, back = _dev.stage(o, read=False)
         target = out
 
     def finish() -> None:
         if op == "avg":
-            _scale(result, n)
+            _dev.scale(result, n)
         if back is not None:
             back(result)
 
@@ -481,7 +449,7 @@ def reduce_scatter(
     result = np.empty(s, dtype=send.dtype) if out is None else out
     comm.Reduce_scatter_block(send, _flat(result), op=_mpi_op(op))
     if op == "avg":
-        _scale(result, n)
+        _dev.scale(result, n)
     return result
 
 
@@ -497,19 +465,19 @@ def iallgather(
     :func:`reduce_scatter`). ``out``, if given, must hold ``size * len(shard)`` elements.
     ``algorithm`` as in :func:`iallreduce`.
     """
-    _check_array(shard, "allgather shard")
+    sh = _check_array(shard, "allgather shard")
     algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
-    s = shard.size
+    s = sh.size
     total = n * s
     if numel is not None and not 0 <= numel <= total:
         raise ValueError(f"numel={numel} is outside [0, {total}] for {n} shards of {s}")
     if out is not None:
-        _check_array(out, "allgather output")
-        if out.size != total or np.dtype(out.dtype) != np.dtype(shard.dtype):
+        o = _check_array(out, "allgather output")
+        if o.size != total or np.dtype(o.dtype) != np.dtype(sh.dtype):
             raise ValueError(
-                f"allgather output has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                f"need {total} elements of {shard.dtype}"
+                f"allgather output has shape {tuple(o.shape)} and dtype {o.dtype}; "
+                f"need {total} elements of {sh.dtype}"
             )
 
     def trim(a: Any) -> Any:
@@ -517,20 +485,17 @@ def iallgather(
 
     if n == 1:
         if out is None:
-            return Request([], trim(_flat(shard)))
-        if _is_device(out):
-            out.copy_to_device(shard.copy_to_host() if _is_device(shard) else shard)
-        else:
-            np.copyto(_flat(out), _flat(shard))
+            return Request([], trim(_flat(sh)))
+        _dev.copy(o, sh)
         return Request([], trim(out))
     if _debug:
-        _maybe_check(comm, "allgather", shard)
-    host_in, _ = _to_host(shard)
+        _maybe_check(comm, "allgather", sh)
+    host_in, _ = _dev.stage(sh)
     if out is None:
-        result = np.empty(total, dtype=np.dtype(shard.dtype))
+        result = np.empty(total, dtype=np.dtype(sh.dtype))
         back, target = None, result
     else:
-        result, back = _to_host(out)
+        result, back = _dev.stage(o, read=False)
         target = out
 
     def finish() -> Any:
@@ -580,10 +545,10 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
     buffers are built padded). ``wait()`` returns ``buf`` with every segment filled.
     ``algorithm`` as in :func:`iallreduce`.
     """
-    _check_array(buf, "allgather buffer")
+    b = _check_array(buf, "allgather buffer")
     algorithm = _topo.check_algorithm(algorithm)
     n = _size(comm)
-    numel = buf.size
+    numel = b.size
     if numel % n:
         raise ValueError(
             f"in-place allgather needs a length divisible by the group size; "
@@ -592,8 +557,8 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
     if n == 1:
         return Request([], buf)
     if _debug:
-        _maybe_check(comm, "allgather_inplace", buf)
-    host, back = _to_host(buf)
+        _maybe_check(comm, "allgather_inplace", b)
+    host, back = _dev.stage(b)
     finish = None if back is None else (lambda: back(host))
     topo = _two_level(comm, host, host.nbytes, algorithm)
     if topo is not None:
@@ -626,16 +591,16 @@ def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> An
     of ``counts[r]`` elements of ``buf`` (segments in rank order); returns ``buf`` with
     every segment filled. Collective over ``comm``; every rank passes the same ``counts``.
     Always flat (the two-level stages need equal segments)."""
-    _check_array(buf, "allgather buffer")
+    b = _check_array(buf, "allgather buffer")
     n = _size(comm)
-    if len(counts) != n or sum(counts) != buf.size or min(counts, default=0) < 0:
-        raise ValueError(f"allgather counts {list(counts)[:8]} do not split {buf.size} "
+    if len(counts) != n or sum(counts) != b.size or min(counts, default=0) < 0:
+        raise ValueError(f"allgather counts {list(counts)[:8]} do not split {b.size} "
                          f"elements over {n} ranks")
     if n == 1:
         return buf
     if _debug:
-        _maybe_check(comm, "allgather_varied", buf, f" counts={list(counts)[:8]}")
-    host, back = _to_host(buf)
+        _maybe_check(comm, "allgather_varied", b, f" counts={list(counts)[:8]}")
+    host, back = _dev.stage(b)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
     comm.Allgatherv(_mpi().IN_PLACE, [_flat(host), (list(counts), displs)])
     if back is not None:
@@ -646,15 +611,15 @@ def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> An
 # -- broadcast ----------------------------------------------------------------------------
 def broadcast(buf: Any, root: int = 0, *, comm: Any = None) -> Any:
     """Broadcast ``buf`` from ``root`` in place and return it. Collective over ``comm``."""
-    _check_array(buf, "broadcast buffer")
+    b = _check_array(buf, "broadcast buffer")
     n = _size(comm)
     if not 0 <= root < n:
         raise ValueError(f"root={root} is outside a group of size {n}")
     if n == 1:
         return buf
     if _debug:
-        _maybe_check(comm, f"broadcast[root={root}]", buf)
-    host, back = _to_host(buf)
+        _maybe_check(comm, f"broadcast[root={root}]", b)
+    host, back = _dev.stage(b, read=comm.Get_rank() == root)
     comm.Bcast(_flat(host), root=root)
     if back is not None:
         back(host)
@@ -675,9 +640,9 @@ def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
 
     The buffer must not be modified until the request completes.
     """
-    _check_array(buf, "send buffer")
+    b = _check_array(buf, "send buffer")
     _check_peer(dest, comm, "dest")
-    host, _ = _to_host(buf)
+    host, _ = _dev.stage(b)
     return Request([comm.Isend(_flat(host), dest=dest, tag=tag)], buf, keep=(host,))
 
 
@@ -688,9 +653,9 @@ def send(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> None:
 
 def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
     """Start receiving into ``buf`` from rank ``source``; ``wait()`` returns ``buf``."""
-    _check_array(buf, "receive buffer")
+    b = _check_array(buf, "receive buffer")
     _check_peer(source, comm, "source")
-    host, back = _to_host(buf)
+    host, back = _dev.stage(b, read=False)
     req = comm.Irecv(_flat(host), source=source, tag=tag)
     return Request([req], buf, None if back is None else (lambda: back(host)), keep=(host,))
 

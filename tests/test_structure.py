@@ -18,7 +18,8 @@ MAX_FUNCTION_LINES = 90
 # torch/launch/cli. data and the small helpers at the package root sit at the bottom; the
 # subcommands beside the CLI at the top.
 LAYERS: dict[str, int] = {
-    "_version": 0, "_comm": 0, "comms": 0, "topology": 0, "mesh": 0, "collectives": 0,
+    "_version": 0, "_comm": 0, "comms": 0, "devices": 0, "topology": 0, "mesh": 0,
+    "collectives": 0,
     "buffers": 0, "checkpoint": 0,
     "data": 0, "kernels": 1, "optim": 1, "nn": 2, "parallel": 3, "plan": 3, "run": 4,
     "torch": 5, "adapters": 5, "launch": 5, "cli": 5, "train": 5, "demo": 5, "tools_cli": 5,
