@@ -12,9 +12,11 @@ have a padded length (``mpidist.buffers.FlatBuffer``) go to MPI without any copy
 Reductions support float32, float64, int32 and int64. Gathers, broadcasts and
 point-to-point transfers take any dtype (16-bit floats are carried as ``uint16``).
 
-Arrays exposing ``__cuda_array_interface__`` are passed to MPI directly when the MPI library
-is CUDA-aware (``MPI.Query_cuda_support()``, or ``MPIDIST_CUDA_AWARE=1``), otherwise staged
-through a host copy: device → host, the collective on the host array, host → device.
+Device arrays of any library (Numba, CuPy, torch: anything exposing
+``__cuda_array_interface__``) are passed to MPI directly when the MPI library is CUDA-aware
+(``MPI.Query_cuda_support()``, or ``MPIDIST_CUDA_AWARE=1``), after the device is
+synchronised; otherwise they are staged through a pinned host buffer: device → host, the
+collective on the host array, host → device (see :mod:`mpidist.devices`).
 
 Debug mode (``MPIDIST_DEBUG=1`` or :func:`set_debug`): before each collective the ranks
 exchange the operation name, dtype and shape with one small Allgather and raise
