@@ -8,9 +8,10 @@ there is one. It is a *lease*: the holder's thread rewrites it every ``lease`` s
 for :data:`STALE_LEASES` leases belongs to a run that is gone (killed with SIGKILL, its
 node lost, its job requeued elsewhere). Liveness is judged from the renewal time alone
 across nodes; only on the holder's own host (and PID namespace), a holder process that no
-longer exists makes the lock stale at once, and a requeued start of the same Slurm job
-takes over its previous start's lock at once (Slurm starts it only after the previous
-start has ended).
+longer exists makes the lock stale at once; a requeued start of the same Slurm job takes
+over its previous start's lock at once (Slurm starts it only after the previous start has
+ended), and so does a Slurm job whose holder was another Slurm job that ``squeue`` says has
+ended (the next segment of a resume chain after a segment killed at its time limit).
 
 Taking the lock is atomic on local and shared file systems: the full content is written to
 a temporary file that is then hard-linked to ``run.lock`` (``link`` fails if the name
@@ -28,7 +29,9 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -127,11 +130,31 @@ def stale_reason(info: dict[str, Any], now: float | None = None) -> str:
             and isinstance(info.get("pid"), int) and not _alive(info["pid"]):
         return f"process {info['pid']} on this host is gone"
     mine = _slurm()
-    if mine and info.get("slurm_job_id") == mine["slurm_job_id"] \
+    job = info.get("slurm_job_id")
+    if mine and job == mine["slurm_job_id"] \
             and isinstance(info.get("slurm_restart_count"), int) \
             and info["slurm_restart_count"] < mine["slurm_restart_count"]:
-        return f"held by an earlier start of Slurm job {mine['slurm_job_id']}"
+        return f"held by an earlier start of Slurm job {job}"
+    if mine and job and job != mine["slurm_job_id"] and _slurm_job_ended(str(job)):
+        return f"Slurm job {job} has ended"
     return ""
+
+
+def _slurm_job_ended(job: str) -> bool:
+    """Whether Slurm says job ``job`` is no longer running (False when it cannot tell)."""
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        return False
+    try:
+        proc = subprocess.run([squeue, "-h", "-j", job, "-o", "%T"], capture_output=True,
+                              text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if proc.returncode != 0:  # an unknown (long finished) job id is an error
+        return "invalid job id" in proc.stderr.lower()
+    state = proc.stdout.strip().upper()
+    return state in ("", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                     "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
 def _alive(pid: int) -> bool:

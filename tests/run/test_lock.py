@@ -164,3 +164,22 @@ def test_resolve_takes_the_checkpoints_settings():
     # --strategy given: the layout comes from the flags, not the checkpoint.
     new, _ = resolve_settings(TrainConfig(strategy="ddp"), {"strategy"}, _state(), 3)
     assert new.strategy == "ddp" and new.dtype == "float64"
+
+
+def test_the_lock_of_an_ended_slurm_job_is_stale(tmp_path: Path, monkeypatch):
+    """The next segment of a resume chain, after a segment SIGKILLed at its time limit on
+    another node: squeue says the holder's job has ended."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text('#!/bin/sh\necho "$FAKE_SQUEUE_STATE"\n')
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    run = tmp_path / "run"
+    run.mkdir()
+    info = _fake_lock(run, slurm_job_id="77", slurm_restart_count=0)
+    monkeypatch.setenv("FAKE_SQUEUE_STATE", "RUNNING")
+    assert stale_reason(info) == ""
+    monkeypatch.setenv("FAKE_SQUEUE_STATE", "")
+    assert stale_reason(info) == "Slurm job 77 has ended"

@@ -115,6 +115,9 @@ def test_sigterm_checkpoints_and_resume_continues_the_trajectory(tmp_path: Path)
     part = tmp_path / "part"
     proc = _signal_mid_run(part, 2, signal.SIGTERM, twice=True)
     assert proc.returncode == EXIT_PREEMPTED, proc.stdout + proc.stderr
+    assert "WARNING: preempted by SIGTERM (under mpiexec, Ctrl-C reaches the ranks as " \
+           "SIGTERM): stopped after step " in proc.stderr
+    assert "with a checkpoint; the ranks exit with status 75" in proc.stderr
     got = _losses(part / "metrics.jsonl")
     stopped = max(got)
     assert 3 <= stopped < STEPS, "the signal should arrive mid-run"
