@@ -79,10 +79,24 @@ PRECISIONS: dict[str, tuple[int, int, int, int, int]] = {
     "fp64": (8, 8, 0, 8, 8),
 }
 
-#: optimizer -> number of per-element moment buffers
-OPTIMIZER_MOMENTS: dict[str, int] = {
-    "adam": 2, "adamw": 2, "lion": 1, "sgd": 1, "sgd-plain": 0, "rmsprop": 1, "adagrad": 1,
+# Hyperparameters the planner assumes where an optimizer's defaults keep less state than
+# training uses: SGD with momentum ("sgd"); "sgd-plain" is SGD's defaults (no momentum).
+_PLANNED: dict[str, tuple[str, dict[str, Any]]] = {
+    "sgd": ("sgd", {"momentum": 0.9}), "sgd-plain": ("sgd", {}),
 }
+
+
+def _optimizer_moments() -> dict[str, int]:
+    """optimizer -> per-element state buffers, from mpidist.optim's registry."""
+    from mpidist import optim
+
+    names = {name: (name, {}) for name in optim.OPTIMIZERS} | _PLANNED
+    return {alias: len(optim.create(name, **hp).state_names())
+            for alias, (name, hp) in names.items()}
+
+
+#: optimizer -> number of per-element moment buffers (adam 2, sgd with momentum 1, ...)
+OPTIMIZER_MOMENTS: dict[str, int] = _optimizer_moments()
 
 
 def bytes_per_parameter(precision: str = "mixed", optimizer: str = "adam",

@@ -4,6 +4,7 @@ the learning-rate schedule, the strategy, the model and the data."""
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from typing import Any
 
 from mpidist.run.config import TrainConfig
@@ -19,7 +20,8 @@ def make_optimizer(cfg: TrainConfig) -> Any:
     from mpidist import optim
 
     kwargs: dict[str, Any] = {"lr": cfg.lr}
-    if cfg.optimizer in ("adamw", "adam", "sgd", "rmsprop", "adagrad", "lion"):
+    known = optim.OPTIMIZERS.get(cfg.optimizer)
+    if known is not None and "weight_decay" in {f.name for f in fields(known)}:
         kwargs["weight_decay"] = cfg.weight_decay
     return optim.create(cfg.optimizer, **kwargs)
 

@@ -13,6 +13,8 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from mpidist.optim import OPTIMIZERS
+
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
            "check_output_directory", "load_toml"]
 
@@ -217,7 +219,7 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--global-batch", int, None, "samples per step over all ranks"),
     ("--steps", int, None, "optimizer steps of the whole run"),
     ("--dtype", str, ("float32", "float64"), "parameter and gradient dtype"),
-    ("--optimizer", str, None, "adamw, adam, sgd, rmsprop, adagrad or lion"),
+    ("--optimizer", str, tuple(OPTIMIZERS), "the base optimizer"),
     ("--lr", float, None, "peak learning rate"),
     ("--min-lr", float, None, "final learning rate of the cosine decay"),
     ("--warmup-steps", int, None, "steps of linear warm-up"),
