@@ -15,6 +15,7 @@ Items (each PASS, FAIL or SKIP with the reason; the log and a summary table go t
 - ``adamw``: mpidist.torch.optim.AdamW against torch's ``AdamW(fused=True)`` on the
   parameters of a GPT-2-small-sized model (a list of tensors) and on one flat 2**27 vector:
   the same values after a step, and the step time. Goal: >= 1.0x torch's.
+- ``env``: ``mpidist env`` names the rank's GPU and whether MPI is CUDA-aware.
 - ``ranks``: under ``mpiexec -n 1`` and ``-n 2`` (two ranks may share one GPU):
   mpidist.torch DDP, ZeroRedundancyOptimizer and fully_shard, and torch's DDP and FSDP2 on
   the "mpidist" backend, all with CUDA tensors, against single-process training; a
@@ -276,6 +277,24 @@ def _mpi_env(args: argparse.Namespace) -> dict[str, str]:
             return env
     raise Skip("mpi4py cannot start MPI here, and gpu-wheels/ holds no working MPI "
                "(make gpu-wheels, where a package index is reachable)")
+
+
+@item("env")
+def check_env(args: argparse.Namespace) -> tuple[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.run([sys.executable, "-m", "mpidist", "env"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    log(proc.stdout + proc.stderr[-2000:])
+    if proc.returncode:
+        return "FAIL", f"mpidist env exited {proc.returncode}"
+    lines = proc.stdout.splitlines()
+    aware = next((x for x in lines if "CUDA-aware MPI" in x), "")
+    rank0 = next((x for x in lines if x.strip().startswith("0 ")), "")
+    want = "no GPU" if args.dry_run else "GPU 0 of"
+    status = "PASS" if want in rank0 and aware else "FAIL"
+    return status, f"{rank0.strip()} | {aware.split('(')[-1].rstrip(')')}"
 
 
 @item("ranks")

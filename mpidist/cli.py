@@ -44,9 +44,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
     print(f"numba           : {first['numba_version']}; CUDA: {first['cuda']}")
     print(f"launcher        : {first['launcher']}")
     print(f"world size      : {first['size']} on {first['nodes']} node(s)")
-    print(f"{'rank':>4} {'local':>5} {'host':<24}")
+    print(f"{'rank':>4} {'local':>5} {'host':<24} GPU")
     for row in rows:
-        print(f"{row['rank']:>4} {row['local_rank']:>5}/{row['local_size']:<3} {row['host']:<24}")
+        print(f"{row['rank']:>4} {row['local_rank']:>5}/{row['local_size']:<3} "
+              f"{row['host']:<24} {row['cuda']}")
     print("ranks by node   : " + "; ".join(layout_by_node(rows)))
     return 0
 

@@ -131,9 +131,11 @@ def _cuda_info() -> str:
     if not available:
         return f"no GPU (numba {numba.__version__})"
     try:
-        return f"{len(cuda.gpus)} GPU(s): {cuda.get_current_device().name.decode()}"
-    except Exception:
-        return "available"
+        device = cuda.get_current_device()
+        name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+        return f"GPU {device.id} of {len(cuda.gpus)}: {name}"
+    except Exception as exc:  # a driver that answers is_available but not the query
+        return f"available ({type(exc).__name__})"
 
 
 def detect_environment(comm: Any = None) -> RuntimeEnvironment:
