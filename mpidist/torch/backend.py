@@ -54,10 +54,12 @@ __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators", "register", "worl
 _WORLD: list[Any] = []  # the communicator the next default group is built on, if not WORLD
 
 
-def world_comm(comm: Any = None) -> Any:
-    """Set (with ``comm``) or read the communicator the next default "mpidist" group is
-    built on; MPI.COMM_WORLD unless set. Not collective."""
-    if comm is not None:
+def world_comm(comm: Any = None, *, reset: bool = False) -> Any:
+    """Set (with ``comm``), forget (``reset=True``) or read the communicator the next default
+    "mpidist" group is built on; MPI.COMM_WORLD unless set. Not collective."""
+    if reset:
+        _WORLD.clear()
+    elif comm is not None:
         _WORLD[:] = [comm]
     return _WORLD[0] if _WORLD else mpi().COMM_WORLD
 

@@ -88,7 +88,7 @@ def init_process_group(backend: str | None = None, *, comm: Any = None,
         _dist.init_process_group(name, store=store, rank=comm.Get_rank(),
                                  world_size=comm.Get_size(), timeout=timeout, **kwargs)
     finally:
-        _backend.world_comm(None)
+        _backend.world_comm(reset=True)
     _COMM[:] = [comm]
 
 

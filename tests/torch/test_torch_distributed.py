@@ -79,3 +79,11 @@ def test_a_sub_communicator_as_the_world(comm):
         assert dist.get_rank(sub) == sub.Get_rank()
     finally:
         sub.Free()
+    # torch's own init_process_group afterwards is on every rank again, not on the freed sub
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("mpidist")
+    try:
+        assert torch_dist.get_world_size() == comm.Get_size()
+    finally:
+        torch_dist.destroy_process_group()
