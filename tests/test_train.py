@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import cli_env
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -20,11 +21,7 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--eval-batches", "1", "--no-progress"]
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    return e
+env = cli_env
 
 
 def mpidist(n: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:

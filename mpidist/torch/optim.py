@@ -63,6 +63,23 @@ def _step_value(state: dict[str, Any]) -> float:
     return float(step.item())
 
 
+def _step(opt: Any, closure: Callable[[], Any] | None) -> Any:
+    """The body of each class's ``step``: ``closure()`` with gradients enabled, then
+    ``opt._update(p, group)`` for every parameter that has a (dense) gradient."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"{type(opt).__name__}: sparse gradients are not supported")
+            opt._update(p, group)
+    return loss
+
+
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -78,19 +95,9 @@ class _FusedAdam:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; returns ``closure()``'s loss.
         Not collective."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
+        return _step(self, closure)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        if p.grad.is_sparse:
-            raise ValueError(f"{type(self).__name__}: sparse gradients are not supported")
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
@@ -158,18 +165,7 @@ class SGD(torch.optim.SGD):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient; returns ``closure()``'s loss.
         Not collective."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("SGD: sparse gradients are not supported")
-                self._update(p, group)
-        return loss
+        return _step(self, closure)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         momentum = float(group["momentum"])

@@ -5,7 +5,6 @@ input (exit status 2) is not restarted, and a restart resumes whatever the flags
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_env import cli_env
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH"),
@@ -25,15 +25,7 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
 TRAIN = [sys.executable, "-m", "mpidist.cli", "train"]
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-             NUMBA_NUM_THREADS="1", **extra)
-    for key in ("MPIDIST_RESTART", "MPIDIST_SLOTS", "MPIDIST_RUN_LOCK_TOKEN"):
-        e.pop(key, None)
-    e.update(extra)
-    return e
+env = cli_env
 
 
 def supervisor(out: Path, *train_args: str) -> list[str]:

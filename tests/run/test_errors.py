@@ -5,7 +5,6 @@ a preemption names the signal and the ranks exit with the status it prints."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_env import cli_env
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -38,13 +38,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-             NUMBA_NUM_THREADS="1", **extra)
-    e.pop("MPIDIST_RESTART", None)
-    return e
+env = cli_env
 
 
 def mpiexec(n: int, *args: str, script: list[str] | None = None, **extra: str

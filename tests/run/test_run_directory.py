@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import cli_env
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -25,14 +26,7 @@ MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "1
 QUIET = ["--eval-interval", "0", "--eval-batches", "1", "--no-progress"]
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-             NUMBA_NUM_THREADS="1", **extra)
-    for key in ("MPIDIST_RESTART", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        e.pop(key, None)
-    return e
+env = cli_env
 
 
 def train(n: int, out: Path, *args: str, rc: int = 0, **extra: str
