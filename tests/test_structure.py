@@ -134,3 +134,10 @@ def test_file_and_function_lengths(module: str):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{module}: {', '.join(long)}"
+
+
+def test_no_assert_guards_a_runtime_condition():
+    """``assert`` vanishes under ``python -O``: library code raises instead."""
+    found = [f"{module}:{node.lineno}" for module, path in MODULES.items()
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert)]
+    assert not found, f"assert statements in mpidist: {found}"

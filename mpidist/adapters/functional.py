@@ -156,7 +156,6 @@ class FunctionalModel:
 
     def _call(self, batch: tuple[Any, Any]) -> tuple[float, dict[str, np.ndarray]]:
         self._require_params()
-        assert self._readonly is not None
         loss, grads = self.loss_and_grad(self._readonly, batch)
         if not isinstance(grads, Mapping):
             raise ValueError(f"loss_and_grad returned gradients of type "

@@ -155,9 +155,6 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
             opt.sampler.load_state_dict(data)
         else:
             opt._data_state = dict(data)
-    model = _model(opt)
-    if hasattr(model, "after_load"):
-        model.after_load()
     return attrs
 
 

@@ -199,10 +199,10 @@ class Supervisor:
         level = logging.INFO if kind in ("launch", "finished") else logging.WARNING
         log.log(level, "mpidist run: %s %s", kind,
                 " ".join(f"{k}={v}" for k, v in row.items() if k not in ("event", "time")))
-        assert self.events is not None
-        parent = os.path.dirname(os.path.abspath(self.events))
+        events = self.events or "events.jsonl"  # (set in __post_init__)
+        parent = os.path.dirname(os.path.abspath(events))
         os.makedirs(parent, exist_ok=True)
-        with open(self.events, "a", encoding="utf-8") as f:
+        with open(events, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     def argv(self, n: int) -> list[str]:

@@ -106,7 +106,7 @@ class AsyncSGDOptimizer(MeteredOptimizer):
             scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         st = self._pieces[0][2]
         self.base.update(model.params, buf, st, grad_scale=scale, lr=self._lr())
-        assert self.state is not None
+        self._require_state()
         self.state.step = st.step
         self._pool.append(buf)
         self.applied += 1

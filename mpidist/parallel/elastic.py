@@ -231,7 +231,8 @@ class ElasticOptimizer(ShardedOptimizer):
             ``events(dict)`` called on rank 0, or None.
         spawn_command, spawn_args: what joiners run (default ``sys.executable`` with
             ``sys.orig_argv[1:]``: the same program with the same arguments).
-        handle_sigterm: install a SIGTERM handler that asks this worker to leave.
+        handle_sigterm: install a SIGTERM handler that asks this worker to leave (restored
+            by :meth:`close`, and when the worker leaves).
 
     Collective calls are over the current workers (:attr:`comm`); see each method.
 
@@ -287,8 +288,11 @@ class ElasticOptimizer(ShardedOptimizer):
         #: seconds of the phases of the last change on this worker, and bytes it sent
         self.last_timing: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
+        self._previous_sigterm: Any = None
+        self._sigterm_installed = False
         if handle_sigterm and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
 
     # -- the sampler carries over: a joiner sets its sampler after wrap() ---------------------
     @property
@@ -326,6 +330,14 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._leave = True  # only a flag: the step in progress finishes first
+
+    def close(self) -> None:
+        """Give SIGTERM back to the handler it had before this optimizer installed its own
+        (a worker that leaves does this itself). Not collective; idempotent."""
+        if self._sigterm_installed and threading.current_thread() is threading.main_thread():
+            previous = self._previous_sigterm
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            self._sigterm_installed = False
 
     def request_leave(self) -> None:
         """Ask for this worker to leave at the next step boundary. Not collective."""
@@ -405,7 +417,7 @@ class ElasticOptimizer(ShardedOptimizer):
         return self._rescale(d)
 
     def _metadata(self) -> dict[str, Any]:
-        assert self.state is not None and self.model is not None
+        self._require_model()
         return {
             "strategy": self.inner_strategy,
             "numels": [s.numel for s in self.model.layout.units],
@@ -420,7 +432,7 @@ class ElasticOptimizer(ShardedOptimizer):
         t0 = time.perf_counter()
         MPI = mpi()
         old_comm, old_mesh, old_model = self._comm, self._mesh, self.model
-        assert old_model is not None and self.state is not None
+        old_model = self._require_model()
         me_old = old_comm.Get_rank()
         timing: dict[str, float] = {}
         if d.joins:
@@ -470,10 +482,12 @@ class ElasticOptimizer(ShardedOptimizer):
             self._comm = self._mesh = None
             self.model, self.state, self._pieces = None, None, []
             self.left = True
+            self.close()
             log.warning("[worker %d] left the job after step %d (%d -> %d workers)",
                         me_old, self.step_count, d.n_old, d.n_new)
             return None
-        assert new_model is not None and new_state is not None
+        if new_model is None or new_state is None:
+            raise RuntimeError("elastic resize: a staying worker built no model")
         new_state.step = step
         self._comm, self._mesh = new_comm, new_model.mesh
         self.model, self.state = new_model, new_state
@@ -610,7 +624,8 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     dtype = (src if src is not None else dst).dtype  # type: ignore[union-attr]
     if not sharded and src is not None and dst is not None:
         # A replicated buffer on a worker that stays: re-lay-out locally (padding moves).
-        assert src_layout is not None and dst_layout is not None
+        if src_layout is None or dst_layout is None:
+            raise RuntimeError("elastic resize: a staying worker lacks a layout")
         for u, numel in enumerate(numels):
             a = src_layout.units[u].full_offset
             b = dst_layout.units[u].full_offset
@@ -619,7 +634,8 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     scounts = np.zeros(len(sends), dtype=np.int64)
     for j, plan in enumerate(sends):
         for u, a, b in plan:
-            assert src_layout is not None and src is not None
+            if src_layout is None or src is None:
+                raise RuntimeError("elastic resize: sending from a worker with no old shard")
             o = _offset(src_layout, u, a, sharded=sharded)
             pieces.append(src[o:o + b - a])
             scounts[j] += b - a
@@ -633,7 +649,8 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     pos = 0
     for plan in recvs:
         for u, a, b in plan:
-            assert dst_layout is not None and dst is not None
+            if dst_layout is None or dst is None:
+                raise RuntimeError("elastic resize: receiving on a worker with no new shard")
             o = _offset(dst_layout, u, a, sharded=sharded)
             dst[o:o + b - a] = recvbuf[pos:pos + b - a]
             pos += b - a

@@ -411,7 +411,7 @@ class ShardedOptimizer(TrainingStateMixin):
         self._bind_pieces()
 
     def _bind_pieces(self) -> None:
-        assert self.model is not None and self.state is not None
+        self._require_model()
         self._pieces = []
         for p, g, sl in self.model.update_pieces():
             st = OptimizerState(self.state.step,
@@ -525,7 +525,7 @@ class ShardedOptimizer(TrainingStateMixin):
         lr = self._lr()
         for p, g, st in self._pieces:
             self.base.update(p, g, st, grad_scale=scale, lr=lr)
-        assert self.state is not None
+        self._require_state()
         self.state.step = self._pieces[0][2].step if self._pieces else self.state.step + 1
 
     def _loss_group(self, model: ShardedModel) -> Any:
@@ -607,6 +607,11 @@ class ShardedOptimizer(TrainingStateMixin):
             raise RuntimeError(f"{type(self).__name__} has no model yet; call wrap() first")
         return self.model
 
+    def _require_state(self) -> Any:
+        """The optimizer state (made by wrap()); RuntimeError before it exists."""
+        self._require_model()
+        return self.state
+
     def synchronize_optimizer_state(self) -> None:
         """Make the optimizer state consistent across ranks. Collective over dp.
 
@@ -614,7 +619,6 @@ class ShardedOptimizer(TrainingStateMixin):
         owner per element, so only the step count is agreed on.
         """
         model = self._require_model()
-        assert self.state is not None
         if not model.shards_state:
             for buf in self.state.buffers.values():
                 C.broadcast(buf, 0, comm=model.comm)
@@ -627,7 +631,6 @@ class ShardedOptimizer(TrainingStateMixin):
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes of parameters, gradients, optimizer state and working set."""
         model = self._require_model()
-        assert self.state is not None
         out = model.memory_report()
         out["optimizer_state"] = int(sum(b.nbytes for b in self.state.buffers.values()))
         out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"]

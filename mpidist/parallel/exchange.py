@@ -175,7 +175,8 @@ class RequestChain:
             if self._reqs:
                 mpi().Request.Waitall(self._reqs)
             while not self._can_advance():
-                assert self._gate is not None
+                if self._gate is None:
+                    raise RuntimeError("exchange: waiting to advance with no gate to wait on")
                 self._gate[0].wait()
             self._advance()
 

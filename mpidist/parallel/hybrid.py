@@ -559,7 +559,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
         b = len(x)
         if len(y) != b:
             raise ValueError(f"inputs have {b} samples but targets have {len(y)}")
-        assert isinstance(model, HybridModel)
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
         n, r = model.dp_size, model.dp_rank
         # Per dp index: the largest and (negated) smallest size and count seen on its ranks.
         table = np.full(4 * n, np.iinfo(np.int64).min, dtype=np.int64)
@@ -582,7 +583,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
         synchronised over dp during the last one. Collective over the mesh: every rank
         passes the local batch of its dp index (the same samples on all pp and tp ranks of
         that index). Returns the last stage's share of the loss, 0.0 on other stages."""
-        assert isinstance(model, HybridModel)
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
         b, normalizer = self._check_batch(model, x, y)
         cuts = split_points(b, self.config.micro_batches)
         model.zero_grad()
@@ -594,7 +596,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
 
     def _loss_group(self, model: ShardedModel) -> Any:
         # Only the last stage has a loss (the same on its tp ranks): sum over pp and dp.
-        assert isinstance(model, HybridModel)
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
         return model.loss_comm
 
     def evaluate(self, model: Any, data: Any, *, batches: int, global_batch_size: int,
@@ -604,7 +607,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
         from mpidist.data import GlobalBatchSampler
 
         model = self._resolve(model)
-        assert isinstance(model, HybridModel)
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
         sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
         total = np.zeros(1)
         for step in range(batches):

@@ -102,7 +102,6 @@ class LocalSGDOptimizer(MeteredOptimizer):
         Collective over the dp group: one allreduce of one contiguous buffer.
         """
         model = self._require_model()
-        assert self.state is not None
         local, total = self.batch_share
         # Each replica weighs by its share of the global batch (1/n when the batch divides
         # into the ranks, or before any step), so that with sync_every=1 and plain SGD the
@@ -131,7 +130,6 @@ class LocalSGDOptimizer(MeteredOptimizer):
         """This replica's parameters and optimizer state: between averages they differ
         from rank to rank, so a checkpoint keeps every replica to resume exactly."""
         model = self._require_model()
-        assert self.state is not None
         return [model.params] + [b for _, b in sorted(self.state.buffers.items())]
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,7 +139,6 @@ class LocalSGDOptimizer(MeteredOptimizer):
         this average are not counted in :attr:`bytes_sent`.
         """
         model = self._require_model()
-        assert self.state is not None
         saved = [model.params.copy()] + [b.copy() for _, b in sorted(self.state.buffers.items())]
         counted = (model.meter.bytes, model.meter.calls, model.dense_bytes, self.averages)
         self.average_replicas()

@@ -37,7 +37,6 @@ class TrainingStateMixin:
         any strategy at any data-parallel size (:meth:`load_state_dict`).
         """
         model = self._require_model()
-        assert self.state is not None
         params = model.full_parameters()
         state = {key: model.state_tensors(local) for key, local in self.state.buffers.items()}
         return {
@@ -56,7 +55,6 @@ class TrainingStateMixin:
         Raises ValueError naming missing or unexpected parameters and shape mismatches.
         """
         model = self._require_model()
-        assert self.state is not None
         expected = model.tensor_shapes()
         check_names("parameters", expected, d.get("params", {}))
         if d.get("optimizer", {}).get("name") != self.base.name:
@@ -98,7 +96,6 @@ class TrainingStateMixin:
         from mpidist.checkpoint.training import save_training
 
         model = self._require_model()
-        assert self.state is not None
         return save_training(os.path.dirname(os.path.abspath(path)), self, step=self.state.step,
                              keep=keep, comm=model.mesh.comm, extra=extra, path=path)
 

@@ -103,7 +103,9 @@ def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
         return GradientCompressionOptimizer(base, config, method=cfg.compression,
                                             ratio=cfg.topk_ratio, rank=cfg.powersgd_rank,
                                             **common)
-    return AsyncSGDOptimizer(base, config, staleness=cfg.staleness, **common)
+    if cfg.strategy == "async":
+        return AsyncSGDOptimizer(base, config, staleness=cfg.staleness, **common)
+    raise ValueError(f"--strategy {cfg.strategy!r} is not a strategy mpidist train builds")
 
 
 def make_model(cfg: TrainConfig) -> Any:

@@ -92,6 +92,9 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
         return summary
     finally:
         if run is not None:
+            close = getattr(run.opt, "close", None)  # the elastic optimizer's SIGTERM handler
+            if close is not None:
+                close()
             run.preemption.restore()
             if run.left and opening.lock is not None:
                 opening.lock.abandon()  # the new rank 0 holds it now

@@ -136,6 +136,24 @@ def test_elastic_optimizer_arguments():
         opt.scale_to(0)
 
 
+def test_sigterm_handler_is_given_back():
+    import signal
+
+    def mine(signum, frame):  # the program's own handler, before the optimizer's
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        opt = ElasticOptimizer(SGD(lr=0.1), ShardingConfiguration(), 1, 2)
+        assert signal.getsignal(signal.SIGTERM) is not mine  # the optimizer's own
+        opt.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        opt.close()  # idempotent
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_slots(tmp_path):
     f = tmp_path / "slots"
     f.write_text("3\n")
