@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -64,10 +63,6 @@ __all__ = [
 
 log = logging.getLogger("mpidist.elastic")
 
-#: test hook: ``"<phase>:<old rank>"`` makes that rank ``os._exit(3)`` in that phase
-#: ("redistribute": just before the Alltoallv). Only on the first launch
-#: (``MPIDIST_RESTART`` unset or 0), so a supervisor's restart runs clean.
-FAULT_ENV = "MPIDIST_ELASTIC_FAULT"
 
 
 # -- pure arithmetic: the decision and the transfer plan -----------------------------------
@@ -288,6 +283,7 @@ class ElasticOptimizer(ShardedOptimizer):
         #: seconds of the phases of the last change on this worker, and bytes it sent
         self.last_timing: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
+        self._phase_hooks: list[Callable[[str, int], None]] = []
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         if handle_sigterm and threading.current_thread() is threading.main_thread():
@@ -330,6 +326,13 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._leave = True  # only a flag: the step in progress finishes first
+
+    def on_phase(self, hook: Callable[[str, int], None]) -> None:
+        """Call ``hook(phase, rank)`` on this worker when a resize reaches ``phase``, with
+        its rank before the resize: "redistribute" (the new workers are built, the
+        parameters and state about to move). For progress reports, and to test what a
+        failure in that phase does. Not collective."""
+        self._phase_hooks.append(hook)
 
     def close(self) -> None:
         """Give SIGTERM back to the handler it had before this optimizer installed its own
@@ -456,7 +459,8 @@ class ElasticOptimizer(ShardedOptimizer):
         numels = [s.numel for s in old_model.layout.units]
         t2 = time.perf_counter()
         timing["rebuild"] = t2 - t1
-        _fault("redistribute", me_old)
+        for hook in self._phase_hooks:
+            hook("redistribute", me_old)
         moved = _move(union, numels, d, old_ranks, new_ranks, me,
                       old_model.layout, old_model.parameter_storage,
                       new_model.layout if new_model else None,
@@ -596,17 +600,6 @@ def _bcast_json(obj: Any, comm: Any) -> Any:
         data = np.empty(int(n[0]), dtype=np.uint8)
     comm.Bcast(data, root=0)
     return json.loads(data.tobytes().decode())
-
-
-def _fault(phase: str, old_rank: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or os.environ.get("MPIDIST_RESTART", "0") not in ("", "0"):
-        return
-    want_phase, _, rank = spec.partition(":")
-    if want_phase == phase and rank.strip() == str(old_rank):
-        sys.stderr.write(f"[worker {old_rank}] {FAULT_ENV}={spec}: exiting during {phase}\n")
-        sys.stderr.flush()
-        os._exit(3)
 
 
 def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int],

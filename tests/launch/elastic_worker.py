@@ -67,6 +67,19 @@ def act(opt: ElasticOptimizer, action: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: ``"<phase>:<old rank>"``: that rank exits (status 3) when a resize reaches that phase,
+#: on the first launch only (MPIDIST_RESTART unset or 0), so a supervisor's restart runs clean
+FAULT_ENV = "ELASTIC_WORKER_FAULT"
+
+
+def die(fault: str, phase: str, rank: int) -> None:
+    want_phase, _, want_rank = fault.partition(":")
+    if phase == want_phase and str(rank) == want_rank.strip():
+        sys.stderr.write(f"[worker {rank}] {FAULT_ENV}={fault}: exiting during {phase}\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp")
@@ -85,6 +98,9 @@ def main() -> int:
     opt = ElasticOptimizer(make_base(), ShardingConfiguration(dtype="float64"),
                            min_workers=args.min, max_workers=args.max, strategy=args.strategy,
                            loss=MSELoss(), events=os.path.join(args.out, "events.jsonl"))
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and os.environ.get("MPIDIST_RESTART", "0") in ("", "0"):
+        opt.on_phase(lambda phase, rank: die(fault, phase, rank))
     model = opt.wrap(MLP(SIZES), seed=0)
     opt.sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=0)
     if args.resume and not joiner:

@@ -33,7 +33,7 @@ def _env(**extra: str) -> dict[str, str]:
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_async_mpi_finalize="1",
                OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    for key in ("MPIDIST_RESTART", "MPIDIST_ELASTIC_FAULT", "MPIDIST_SLOTS"):
+    for key in ("MPIDIST_RESTART", "ELASTIC_WORKER_FAULT", "MPIDIST_SLOTS"):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -169,7 +169,7 @@ def test_worker_dies_during_redistribution(tmp_path: Path):
     # Scale 4 -> 3 at step 3; old rank 1 exits in the middle of the Alltoallv phase. The
     # job must end and restart from checkpoint 2 (never continue in a half-moved state).
     out, evs = _supervised(tmp_path, "zero2", 6, "3:scale=3", slots_after=4,
-                           MPIDIST_ELASTIC_FAULT="redistribute:1")
+                           ELASTIC_WORKER_FAULT="redistribute:1")
     check_final(out, 6, 3)
     sup = [(e["event"], e["step"], e["world_size"]) for e in evs if e.get("source")]
     assert sup[:3] == [("launch", None, 4), ("crash", 2, 4), ("restart", 2, 4)]
