@@ -367,8 +367,10 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
         optimizer, precision: see :data:`OPTIMIZER_MOMENTS` and :data:`PRECISIONS`.
         layers, hidden, heads: the transformer's shape (defaults from ``params``).
         seq_len, micro_batch: tokens per sample and samples per micro-batch.
-        global_batch: samples per step (default ``devices·micro_batch``); a layout whose
-            ``dp·micro_batch`` does not divide it is skipped.
+        global_batch: samples per step (default ``devices·micro_batch``); split over the dp
+            indices as training splits it (slices one sample apart where it does not divide:
+            the step is timed for the largest); a layout with fewer samples than dp indices
+            is skipped.
         cluster: a :class:`Cluster`, or its fields as keyword arguments.
         max_tp: largest tensor-parallel size (default: devices per node).
 
@@ -380,7 +382,6 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
         _plan_inputs(params, devices, optimizer, precision, layers, hidden, heads, seq_len,
                      micro_batch, global_batch, cluster, zero_stages, max_tp, cluster_fields)
 
-    tokens = global_batch * seq_len
     rows = []
     for pp in _divisors(devices):
         if layers % pp:
@@ -389,14 +390,17 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             if tp > max_tp or heads % tp or hidden % tp:
                 continue
             dp = devices // (pp * tp)
-            if global_batch % (dp * micro_batch):
-                continue
-            m = global_batch // (dp * micro_batch)
+            if global_batch < dp:
+                continue  # not a sample for every data-parallel index
+            # An uneven split gives some dp indices one sample more: the step waits for them.
+            local = -(-global_batch // dp)
+            m = -(-local // micro_batch)
             psi = params / (pp * tp)
             act = activation_bytes(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                                    micro_batch=micro_batch, tp=tp, pp=pp, micro_batches=m,
                                    act_bytes=act_bytes)
-            compute = 6 * params * tokens / (devices * cluster.flops * cluster.efficiency)
+            compute = 6 * params * (local * dp * seq_len) / (devices * cluster.flops
+                                                              * cluster.efficiency)
             compute *= 1 + (pp - 1) / m
             # tp varies fastest, then dp, then pp (ProcessMesh): a tp group spans tp
             # consecutive devices, a dp group tp·dp, a pipeline hop crosses tp·dp devices.

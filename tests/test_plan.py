@@ -57,6 +57,17 @@ def test_plan_rows_carry_the_contract_fields_and_are_consistent():
     json.dumps(rows)
 
 
+def test_a_batch_that_does_not_divide_is_planned_as_training_splits_it():
+    rows = P.plan(1.3e9, 4, layers=24, hidden=2048, heads=16, seq_len=1024, global_batch=10)
+    dp4 = [r for r in rows if r["dp"] == 4 and r["zero_stage"] == 0]
+    assert dp4 and dp4[0]["micro_batches"] == 3  # slices of 3, 3, 2, 2: the step waits for 3
+    even = P.plan(1.3e9, 4, layers=24, hidden=2048, heads=16, seq_len=1024, global_batch=12)
+    even4 = [r for r in even if r["dp"] == 4 and r["zero_stage"] == 0]
+    assert even4[0]["compute_s"] == pytest.approx(dp4[0]["compute_s"])
+    assert not [r for r in P.plan(1.3e9, 4, layers=24, hidden=2048, heads=16, seq_len=1024,
+                                  global_batch=3) if r["dp"] == 4]
+
+
 def test_sharding_reduces_memory_and_tp_splits_activations():
     rows = P.plan(1.3e9, 8, layers=24, hidden=2048, heads=16, seq_len=1024)
     by = {(r["pp"], r["tp"], r["zero_stage"]): r for r in rows}
