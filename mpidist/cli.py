@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from mpidist._version import __version__
 
@@ -83,6 +83,13 @@ def _rank() -> int:
     return launcher_from_env()["rank"] or 0
 
 
+def _launcher_size() -> int | None:
+    """How many ranks the launcher started (None when no launcher said), without MPI."""
+    from mpidist.launch.env import launcher_from_env
+
+    return launcher_from_env()["size"]
+
+
 class _Parser(argparse.ArgumentParser):
     """Prints (usage, errors, help) on rank 0 only: every rank parses the same flags."""
 
@@ -92,6 +99,19 @@ class _Parser(argparse.ArgumentParser):
     def _print_message(self, message: str, file: Any = None) -> None:
         if _rank() == 0:
             super()._print_message(message, file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        """argparse's exit; on an error under a launcher of several ranks, every rank (each
+        reached the same error on the same flags) first waits for the others, so that no
+        rank's exit status makes the launcher end rank 0 before its message is out."""
+        if message:
+            self._print_message(message, sys.stderr)
+        if status and (_launcher_size() or 1) > 1:
+            sys.stderr.flush()
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
+        sys.exit(status)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
         """As argparse's, but an unknown flag after a subcommand is reported with that
