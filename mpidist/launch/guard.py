@@ -172,6 +172,8 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
             more = f" (traceback in {where})" if where else ""
             stream.write(f"{prefix}{prog}: error: {line}{more}\n")
         stream.flush()
+        if size > 1:  # every rank failed alike and is here: exit only once the lines are out
+            comm.Barrier()
         return code
     where = append_to_run_log(text, rank)
     if where is None:
