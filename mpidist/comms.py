@@ -6,9 +6,10 @@ a communicator is actually used, so everything also runs under plain ``python``.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["in_place", "mpi", "size_rank", "world"]
+__all__ = ["bcast_json", "in_place", "mpi", "size_rank", "world"]
 
 
 _MPI: list[Any] = []
@@ -44,3 +45,20 @@ def world(comm: Any = None) -> Any:
     them takes its communicator from them.
     """
     return mpi().COMM_WORLD if comm is None else comm
+
+
+def bcast_json(obj: Any, comm: Any, root: int = 0) -> Any:
+    """``root``'s JSON-serialisable ``obj`` on every rank (its bytes, no pickle).
+    Collective over ``comm``; None or a group of one returns ``obj``."""
+    import numpy as np
+
+    size, rank = size_rank(comm)
+    if size == 1:
+        return obj
+    data = json.dumps(obj).encode() if rank == root else b""
+    n = np.array([len(data)], dtype=np.int64)
+    comm.Bcast(n, root=root)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if rank == root else \
+        np.zeros(int(n[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=root)
+    return json.loads(buf.tobytes().decode())

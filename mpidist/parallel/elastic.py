@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.buffers import ShardedLayout, padded_length
-from mpidist.comms import in_place, mpi, world
+from mpidist.comms import bcast_json, in_place, mpi, world
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
@@ -443,7 +443,7 @@ class ElasticOptimizer(ShardedOptimizer):
                                    root=0)
             union = inter.Merge(high=False)
             inter.Disconnect()
-            _bcast_json({**self._metadata(), "n_old": d.n_old, "leavers": list(d.leavers)},
+            bcast_json({**self._metadata(), "n_old": d.n_old, "leavers": list(d.leavers)},
                         union)
         else:
             union = old_comm
@@ -506,7 +506,7 @@ class ElasticOptimizer(ShardedOptimizer):
         parent = MPI.Comm.Get_parent()
         union = parent.Merge(high=True)
         parent.Disconnect()
-        meta = _bcast_json(None, union)
+        meta = bcast_json(None, union)
         if meta["strategy"] != self.inner_strategy:
             raise ValueError(f"joining a {meta['strategy']!r} job with strategy="
                              f"{self.inner_strategy!r}")
@@ -588,20 +588,6 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 
 
 # -- MPI helpers ---------------------------------------------------------------------------
-def _bcast_json(obj: Any, comm: Any) -> Any:
-    """Broadcast a JSON object from rank 0 (no pickle). Collective over ``comm``."""
-    if comm.Get_rank() == 0:
-        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
-        n = np.array([data.size], dtype=np.int64)
-    else:
-        n = np.zeros(1, dtype=np.int64)
-    comm.Bcast(n, root=0)
-    if comm.Get_rank() != 0:
-        data = np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(data, root=0)
-    return json.loads(data.tobytes().decode())
-
-
 def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int],
           new_ranks: list[int], me: int, src_layout: ShardedLayout | None,
           src: np.ndarray | None, dst_layout: ShardedLayout | None, dst: np.ndarray | None,

@@ -1,11 +1,11 @@
 """The run directory (``--out``): what it holds, and keeping its files consistent.
 
 Rank 0 looks at the directory (:func:`inspect_out`) and tells the other ranks
-(:func:`bcast_json`), so every rank takes the same decision from the same facts. After a
-resume from step ``k``, :func:`drop_rows_after` removes from ``metrics.jsonl`` and
-``events.jsonl`` the rows of the abandoned attempt past ``k`` (the file is rewritten under a
-temporary name and renamed, so a crash leaves the old file or the new one, never half of
-it). :func:`remove_run_outputs` is ``--overwrite``.
+(:func:`mpidist.comms.bcast_json`), so every rank takes the same decision from the same
+facts. After a resume from step ``k``, :func:`drop_rows_after` removes from
+``metrics.jsonl`` and ``events.jsonl`` the rows of the abandoned attempt past ``k`` (the
+file is rewritten under a temporary name and renamed, so a crash leaves the old file or
+the new one, never half of it). :func:`remove_run_outputs` is ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import os
 import secrets
 from typing import Any
 
-import numpy as np
-
-__all__ = ["JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "bcast_json", "drop_rows_after",
-           "inspect_out", "remove_run_outputs"]
+__all__ = ["JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "drop_rows_after", "inspect_out",
+           "remove_run_outputs"]
 
 #: The run's log: rank 0's messages and the traceback of a failing rank.
 LOG_NAME = "train.log"
@@ -27,19 +25,6 @@ LOG_NAME = "train.log"
 RUN_OUTPUTS = ("metrics.jsonl", "events.jsonl", "summary.json", "loss.png", LOG_NAME)
 #: The files that get one row per step or event.
 JSONL_FILES = ("metrics.jsonl", "events.jsonl")
-
-
-def bcast_json(obj: Any, comm: Any, root: int = 0) -> Any:
-    """``root``'s JSON-serialisable ``obj`` on every rank (bytes, no pickle). Collective."""
-    if comm is None or comm.Get_size() == 1:
-        return obj
-    data = json.dumps(obj).encode() if comm.Get_rank() == root else b""
-    n = np.array([len(data)], dtype=np.int64)
-    comm.Bcast(n, root=root)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else \
-        np.zeros(int(n[0]), dtype=np.uint8)
-    comm.Bcast(buf, root=root)
-    return json.loads(buf.tobytes().decode())
 
 
 def inspect_out(out: str) -> dict[str, Any]:

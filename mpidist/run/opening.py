@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpidist.comms import bcast_json
 from mpidist.run.config import TrainConfig
-from mpidist.run.directory import bcast_json, inspect_out
+from mpidist.run.directory import inspect_out
 from mpidist.run.lock import TOKEN_ENV, RunLock
 from mpidist.run.preempt import requeued_start
 from mpidist.run.resume import NothingToDo, decide_start, resolve_settings
