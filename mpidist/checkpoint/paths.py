@@ -16,7 +16,7 @@ from mpidist.checkpoint.format import FORMAT_NAME
 from mpidist.checkpoint.header import attr_str
 
 __all__ = ["LATEST", "TMP_RE", "checkpoint_path", "latest_checkpoint", "list_checkpoints",
-           "read_root_quick", "retain", "write_latest"]
+           "read_root_quick", "retain", "write_atomic", "write_latest"]
 
 LATEST = "latest"
 TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
@@ -84,13 +84,21 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     return found[-1] if found else None
 
 
-def write_latest(directory: str, name: str) -> None:
-    tmp = os.path.join(directory, f".{LATEST}.tmp-{secrets.token_hex(4)}")
+def write_atomic(path: str, text: str) -> None:
+    """Replace ``path``'s content with ``text`` so that a crash leaves the old file or the
+    new one, never part of either: written and fsynced under a temporary name beside it
+    (``.NAME.tmp-HEX``, which :func:`retain` cleans up), then renamed. Not collective."""
+    tmp = os.path.join(os.path.dirname(path) or ".",
+                       f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(name + "\n")
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(directory, LATEST))
+    os.replace(tmp, path)
+
+
+def write_latest(directory: str, name: str) -> None:
+    write_atomic(os.path.join(directory, LATEST), name + "\n")
     fsync_path(directory, directory=True)
 
 

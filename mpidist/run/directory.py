@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from typing import Any
 
 __all__ = ["JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "drop_rows_after", "inspect_out",
@@ -95,13 +94,9 @@ def drop_rows_after(path: str, step: int) -> int:
         keep.append(line)
     dropped = len(lines) - len(keep)
     if dropped:
-        tmp = os.path.join(os.path.dirname(path) or ".",
-                           f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in keep))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        from mpidist.checkpoint.paths import write_atomic
+
+        write_atomic(path, "".join(line + "\n" for line in keep))
     return dropped
 
 
