@@ -29,12 +29,16 @@ def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     the failing rank acts; MPI ends the others. Does not return."""
     stream = sys.stderr if stream is None else stream
     rank = comm.Get_rank()
-    prefixed = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
     sys.stdout.flush()
-    stream.write(prefixed)
+    stream.write(_prefixed(rank, text))
     stream.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
     stream.flush()
     comm.Abort(code)
+
+
+def _prefixed(rank: int, text: str) -> str:
+    """Every line of ``text`` prefixed with ``[rank N]``."""
+    return "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
 
 
 class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a statement
@@ -177,7 +181,7 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
         return code
     where = append_to_run_log(text, rank)
     if where is None:
-        stream.write("".join(f"[rank {rank}] {ln}\n" for ln in text.rstrip("\n").split("\n")))
+        stream.write(_prefixed(rank, text))
     more = f"; traceback in {where}" if where else ""
     stream.write(f"[rank {rank}] {prog}: error: {line}{more}; aborting the MPI job "
                  f"(exit code {code})\n")

@@ -32,7 +32,7 @@ from mpidist.run.directory import JSONL_FILES, LOG_NAME, drop_rows_after, remove
 from mpidist.run.elastic import ElasticHook
 from mpidist.run.lock import RunLock
 from mpidist.run.logs import set_run_log, setup_logging
-from mpidist.run.opening import HOLDER, RunOpening, open_run
+from mpidist.run.opening import HOLDER, RunOpening, open_run, restart_count
 from mpidist.run.outputs import JsonLines, Progress, write_summary
 from mpidist.run.preempt import (
     EXIT_PREEMPTED,
@@ -205,10 +205,10 @@ class _Run:
         step = self.opt.step_count
         if self.is_root():
             self._drop_rows_after(step)
-        restart = os.environ.get("MPIDIST_RESTART", "0")
+        restart = restart_count()
         self.events.write(event="resume", step=step, world_size=self.world_size(),
                           checkpoint=os.path.basename(path), time=time.time(),
-                          **({"restart": int(restart)} if restart not in ("", "0") else {}))
+                          **({"restart": restart} if restart else {}))
         if self.is_root():
             lr = self.opt.lr_schedule(step) if self.opt.lr_schedule is not None else cfg.lr
             print(f"mpidist train: resuming {path} at step {step} on {self.world_size()} "

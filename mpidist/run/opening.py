@@ -22,20 +22,25 @@ from mpidist.run.lock import TOKEN_ENV, RunLock
 from mpidist.run.preempt import requeued_start
 from mpidist.run.resume import NothingToDo, decide_start, resolve_settings
 
-__all__ = ["HOLDER", "RunOpening", "open_run", "restart_requested"]
+__all__ = ["HOLDER", "RunOpening", "open_run", "restart_count", "restart_requested"]
 
 #: The name a training run's lock gives its holder.
 HOLDER = "mpidist train rank 0"
 
 
+def restart_count() -> int:
+    """Which restart of its supervisor this launch is (``MPIDIST_RESTART``; 0: the first
+    launch, or none)."""
+    try:
+        return int(os.environ.get("MPIDIST_RESTART", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def restart_requested(cfg: TrainConfig) -> bool:
     """Whether this start is a restart: a supervisor's (``MPIDIST_RESTART`` > 0) or a
     requeued Slurm job's under ``--requeue``. A restart resumes when it can."""
-    try:
-        restart = int(os.environ.get("MPIDIST_RESTART", "0") or 0) > 0
-    except ValueError:
-        restart = False
-    return restart or (cfg.requeue and requeued_start())
+    return restart_count() > 0 or (cfg.requeue and requeued_start())
 
 
 @dataclass
