@@ -446,6 +446,7 @@ class ShardedOptimizer(TrainingStateMixin):
         C.allreduce(table, "sum", comm=model.comm)
         check_local_sizes(table[:n], m)
         return b, int(table[n:].sum())
+
     @staticmethod
     def _count(y: np.ndarray, loss: Any) -> int:
         """Samples the loss normalises by in one call (tokens for integer targets)."""

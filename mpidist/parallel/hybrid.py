@@ -551,6 +551,12 @@ class HybridShardedOptimizer(ShardedOptimizer):
         return model
 
     # -- one step ----------------------------------------------------------------------------
+    def _hybrid(self, model: Any) -> HybridModel:
+        """``model`` as the HybridModel this optimizer wrapped; TypeError otherwise."""
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
+        return model
+
     def _check_batch(self, model: ShardedModel, x: Any, y: Any) -> tuple[int, int]:
         """Local checks first (no communication), then one small allreduce over the mesh:
         every pp and tp rank of a dp index has the same local batch size, and each has at
@@ -559,8 +565,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         b = len(x)
         if len(y) != b:
             raise ValueError(f"inputs have {b} samples but targets have {len(y)}")
-        if not isinstance(model, HybridModel):
-            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
+        model = self._hybrid(model)
         n, r = model.dp_size, model.dp_rank
         # Per dp index: the largest and (negated) smallest size and count seen on its ranks.
         table = np.full(4 * n, np.iinfo(np.int64).min, dtype=np.int64)
@@ -583,8 +588,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         synchronised over dp during the last one. Collective over the mesh: every rank
         passes the local batch of its dp index (the same samples on all pp and tp ranks of
         that index). Returns the last stage's share of the loss, 0.0 on other stages."""
-        if not isinstance(model, HybridModel):
-            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
+        model = self._hybrid(model)
         b, normalizer = self._check_batch(model, x, y)
         cuts = split_points(b, self.config.micro_batches)
         model.zero_grad()
@@ -596,9 +600,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
 
     def _loss_group(self, model: ShardedModel) -> Any:
         # Only the last stage has a loss (the same on its tp ranks): sum over pp and dp.
-        if not isinstance(model, HybridModel):
-            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
-        return model.loss_comm
+        return self._hybrid(model).loss_comm
 
     def evaluate(self, model: Any, data: Any, *, batches: int, global_batch_size: int,
                  seed: int = 0) -> float:
@@ -606,9 +608,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         pipeline). Collective over the mesh; the same batches at every mesh shape."""
         from mpidist.data import GlobalBatchSampler
 
-        model = self._resolve(model)
-        if not isinstance(model, HybridModel):
-            raise TypeError(f"{type(self).__name__} needs a HybridModel (wrap() first)")
+        model = self._hybrid(self._resolve(model))
         sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
         total = np.zeros(1)
         for step in range(batches):
