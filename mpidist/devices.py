@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy", "cuda_aware", "dtype", "is_device", "scale", "stage", "view"]
+__all__ = ["copy", "cuda_aware", "is_device", "scale", "stage", "view"]
 
 
 def is_device(a: Any) -> bool:
@@ -88,11 +88,6 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def dtype(a: Any) -> np.dtype:
-    """The NumPy dtype of a device array's elements."""
-    return np.dtype(view(a).dtype)
-
-
 def _synchronize() -> None:
     from numba import cuda
 
@@ -130,7 +125,8 @@ def copy(dst: Any, src: Any) -> None:
         src = view(src).copy_to_host()
     src = np.ascontiguousarray(src).reshape(-1)
     if is_device(dst):
-        view(dst).copy_to_device(src.reshape(view(dst).shape))
+        d = view(dst)
+        d.copy_to_device(src.reshape(d.shape))
     else:
         np.copyto(dst.reshape(-1), src)
 

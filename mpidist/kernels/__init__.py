@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist import devices
 from mpidist.kernels import cpu
 
 __all__ = [
@@ -39,13 +40,9 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def is_device_array(x: Any) -> bool:
     """True for CUDA arrays: objects exposing ``__cuda_array_interface__`` or Numba device
-    arrays (including the simulator's). NumPy arrays are host arrays."""
-    if isinstance(x, np.ndarray):
-        return False
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    # The CUDA simulator's arrays do not expose the interface; recognise Numba's own types.
-    return type(x).__module__.startswith("numba.cuda") and hasattr(x, "copy_to_host")
+    arrays (including the simulator's). NumPy arrays are host arrays
+    (:func:`mpidist.devices.is_device`)."""
+    return devices.is_device(x)
 
 
 def device_module() -> ModuleType:

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from mpidist import devices
+
 __all__ = [
     "as_device_array",
     "elementwise",
@@ -122,13 +124,10 @@ def empty(n: int, dtype: Any) -> Any:
 
 def as_device_array(x: Any) -> Any:
     """``x`` as a Numba device array: itself when it is one, else a view of its
-    ``__cuda_array_interface__`` (no copy)."""
-    if hasattr(x, "copy_to_host"):
-        # Numba device arrays, including the simulator's, which lack the interface.
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
-    raise TypeError(f"{type(x).__name__} does not expose __cuda_array_interface__")
+    ``__cuda_array_interface__`` (no copy; :func:`mpidist.devices.view`)."""
+    if not devices.is_device(x):
+        raise TypeError(f"{type(x).__name__} does not expose __cuda_array_interface__")
+    return devices.view(x)
 
 
 def to_host(x: Any) -> np.ndarray:
