@@ -127,8 +127,14 @@ def path_bytes(path: str, *, binary: bool = False
 
     Raises ValueError naming ``path`` when it does not exist, when it is a file that is not
     text, or when a directory holds no text file; with ``binary=True`` every file is used
-    as it is.
+    as it is. Read once per process (as :func:`corpus_bytes`): the settings' check and both
+    splits of :class:`TextCorpus` share the reading.
     """
+    return _path_bytes(path, bool(binary))
+
+
+@functools.lru_cache(maxsize=4)
+def _path_bytes(path: str, binary: bool) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
     if os.path.isfile(path):
         data = _read(path)
         problem = None if binary else text_problem(data)
