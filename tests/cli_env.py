@@ -5,6 +5,9 @@ or an earlier launch would leave (they change what a run resumes or which lock i
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 INHERITED = ("MPIDIST_RESTART", "MPIDIST_SLOTS", "MPIDIST_RUN_LOCK_TOKEN", "SLURM_JOB_ID",
              "SLURM_RESTART_COUNT")
@@ -19,3 +22,14 @@ def cli_env(**extra: str) -> dict[str, str]:
         e.pop(key, None)
     e.update(extra)
     return e
+
+
+def wait_for_rows(proc: subprocess.Popen, metrics: Path, rows: int = 3,
+                  timeout: float = 120.0) -> None:
+    """Wait until the run ``proc`` has written ``rows`` lines of ``metrics`` (or ended, or
+    ``timeout`` seconds passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.01)

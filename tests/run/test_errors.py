@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_env import cli_env
+from cli_env import cli_env, wait_for_rows
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -104,12 +104,7 @@ def test_sigusr1_to_mpiexec_preempts_and_mpiexec_returns_75(tmp_path: Path):
                              "train", "--out", str(out), "--steps", "100000",
                              "--checkpoint-interval", "0", *TINY],
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for_rows(proc, out / "metrics.jsonl")
     proc.send_signal(signal.SIGUSR1)  # Open MPI forwards SIGUSR1 to the ranks
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import wait_for_rows
 
 from mpidist.run.preempt import EXIT_PREEMPTED, Preemption, requeue_slurm_job, requeued_start
 
@@ -83,12 +84,7 @@ def _signal_mid_run(out: Path, n: int, sig: int, *args: str, twice: bool = False
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(_cmd(n, out, *args, rank_env=rank_env), env=_env(tag),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.01)
+    wait_for_rows(proc, out / "metrics.jsonl")
     pids = _rank_pids(tag)
     assert len(pids) == n, pids
     for pid in pids.values():
