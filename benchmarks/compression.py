@@ -25,12 +25,13 @@ from mpidist.data import TextCorpus
 from mpidist.mesh import ProcessMesh
 from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
 from mpidist.optim import AdamW
-from mpidist.parallel import DDPOptimizer, ShardingConfiguration
-from mpidist.parallel.communication import (
+from mpidist.parallel import (
     AsyncSGDOptimizer,
     CountingComm,
+    DDPOptimizer,
     GradientCompressionOptimizer,
     LocalSGDOptimizer,
+    ShardingConfiguration,
 )
 
 

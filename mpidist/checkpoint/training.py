@@ -72,15 +72,8 @@ def training_tensors(opt: Any, *, strategy_state: bool = True) -> dict[str, Tens
 
 def _pieces(opt: Any, *, for_writing: bool, strategy_state: bool = True) -> list[Piece]:
     model = _model(opt)
-    if hasattr(model, "checkpoint_pieces"):  # meshes with tp/pp describe their own pieces
-        out = [Piece(n, s, d) for n, s, d in
-               model.checkpoint_pieces(opt.state.buffers, for_writing=for_writing)]
-    else:
-        out = [Piece(f"params/{n}", s, d) for n, s, d in model.tensor_pieces(
-            model.parameter_storage, sharded=model.shards_params, owned=for_writing)]
-        for key, arr in opt.state.buffers.items():
-            out += [Piece(f"optimizer/{key}/{n}", s, d) for n, s, d in model.tensor_pieces(
-                arr, sharded=model.shards_state, owned=for_writing)]
+    out = [Piece(n, s, d) for n, s, d in
+           model.checkpoint_pieces(opt.state.buffers, for_writing=for_writing)]
     if strategy_state and _has_state(opt):
         out += [Piece(n, s, d) for n, s, d in
                 opt.strategy_state_pieces(for_writing=for_writing)]
@@ -145,16 +138,8 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
                 verify=verify)
     if use:
         opt.finish_strategy_state()
-    opt.state.step = int(attrs["step"])
-    opt.step_count = int(attrs.get("steps_taken", attrs["step"]))
-    for _, _, st in opt._pieces:
-        st.step = opt.state.step
-    data = attrs.get("data")
-    if data:
-        if opt.sampler is not None:
-            opt.sampler.load_state_dict(data)
-        else:
-            opt._data_state = dict(data)
+    opt.restore_position(int(attrs["step"]), int(attrs.get("steps_taken", attrs["step"])),
+                         attrs.get("data"))
     return attrs
 
 

@@ -1,61 +1,68 @@
-"""Parallel training strategies: DDP, ZeRO-1/2/3 (FSDP), 3D hybrid,
-Local SGD, gradient compression, bounded-staleness asynchronous SGD, and their configuration.
+"""Parallel training as composable parts (design idea 11).
 
-``STRATEGIES`` maps the data-parallel strategy names to their optimizers (all constructed as
-``Optimizer(base, config, loss=..., lr_schedule=...)``); ``HybridShardedOptimizer`` also takes
-the mesh sizes and the pipeline schedule.
+* :class:`ShardedModel` — the one sharded data-parallel component: a model on a
+  (pp, dp, tp) mesh (tensor parallelism applied, pipeline stages cut), sharded over dp at a
+  level 0-3, its gradients communicated by a hook;
+* :mod:`~mpidist.parallel.hooks` — gradient communication: allreduce, reduce-scatter,
+  :class:`Compression` (codecs with error feedback), :class:`LocalSGD` (periodic
+  averaging), :class:`AsyncSGD` (bounded staleness);
+* :class:`Placement` — which rank holds which slice of which tensor, with what padding;
+* :class:`ShardedOptimizer` — the training step; :class:`ElasticOptimizer` — workers that
+  leave and join;
+* :data:`STRATEGIES` — the registry of strategy names -> builders that the command line,
+  the config, the adapters and elastic training read;
+* the reference system's names (``DDPOptimizer``, ``ZeRO1Optimizer``...,
+  ``HybridShardedOptimizer``, ``LocalSGDOptimizer``, ``GradientCompressionOptimizer``,
+  ``AsyncSGDOptimizer``), thin entry points over these parts.
 """
 
-from mpidist.parallel.async_sgd import AsyncSGDOptimizer
-from mpidist.parallel.compression import GradientCompressionOptimizer
+from mpidist.parallel.compression import Compression
 from mpidist.parallel.config import ShardingConfiguration
-from mpidist.parallel.ddp import DDPModel, DDPOptimizer, ZeRO1Model, ZeRO1Optimizer
 from mpidist.parallel.elastic import ElasticOptimizer
-from mpidist.parallel.engine import OptimizationResult, ShardedModel, ShardedOptimizer
+from mpidist.parallel.engine import OptimizationResult, ShardedOptimizer
 from mpidist.parallel.exchange import CountingComm
-from mpidist.parallel.hybrid import (
-    HybridDDPModel,
-    HybridModel,
-    HybridShardedOptimizer,
-    HybridZeRO1Model,
-    HybridZeRO2Model,
-    HybridZeRO3Model,
-)
-from mpidist.parallel.local_sgd import LocalSGDOptimizer
-from mpidist.parallel.zero import (
+from mpidist.parallel.hooks import AllReduce, AsyncSGD, GradientHook, LocalSGD, ReduceScatter
+from mpidist.parallel.model import ShardedModel
+from mpidist.parallel.placement import LEVELS, Placement
+from mpidist.parallel.registry import STRATEGIES
+from mpidist.parallel.strategies import (
+    AsyncSGDOptimizer,
+    DDPModel,
+    DDPOptimizer,
     FSDPModel,
     FSDPOptimizer,
+    GradientCompressionOptimizer,
+    HybridShardedOptimizer,
+    LocalSGDOptimizer,
+    ZeRO1Model,
+    ZeRO1Optimizer,
     ZeRO2Model,
     ZeRO2Optimizer,
     ZeRO3Model,
     ZeRO3Optimizer,
 )
 
-STRATEGIES: dict[str, type[ShardedOptimizer]] = {
-    "ddp": DDPOptimizer,
-    "zero1": ZeRO1Optimizer,
-    "zero2": ZeRO2Optimizer,
-    "zero3": ZeRO3Optimizer,
-}
-
 __all__ = [
+    "LEVELS",
     "STRATEGIES",
+    "AllReduce",
+    "AsyncSGD",
     "AsyncSGDOptimizer",
+    "Compression",
     "CountingComm",
-    "GradientCompressionOptimizer",
-    "LocalSGDOptimizer",
     "DDPModel",
     "DDPOptimizer",
     "ElasticOptimizer",
     "FSDPModel",
     "FSDPOptimizer",
-    "HybridDDPModel",
-    "HybridModel",
+    "GradientCompressionOptimizer",
+    "GradientHook",
     "HybridShardedOptimizer",
-    "HybridZeRO1Model",
-    "HybridZeRO2Model",
-    "HybridZeRO3Model",
+    "LocalSGD",
+    "LocalSGDOptimizer",
     "OptimizationResult",
+    "Placement",
+    "ReduceScatter",
     "ShardedModel",
     "ShardedOptimizer",
     "ShardingConfiguration",

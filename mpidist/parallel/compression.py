@@ -1,72 +1,107 @@
-"""Gradient compression: DDP's bucketed, overlapped gradient exchange with each bucket
-compressed: 16-bit floats (``fp16``, ``bf16``), top-k sparsification with error feedback
-(``topk``) or low-rank PowerSGD with error feedback (``powersgd``)."""
+"""Gradient compression as a gradient-communication hook: each gradient piece (a bucket
+at sharding levels 0-1, a unit at levels 2-3, whose sum this rank then keeps its shard
+of) is exchanged compressed: 16-bit floats (``fp16``, ``bf16``), top-k sparsification
+with error feedback (``topk``) or low-rank PowerSGD with error feedback (``powersgd``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
 from mpidist.parallel.codecs import PowerSGDCodec, TopKCodec, decode16, encode16
-from mpidist.parallel.engine import ShardedModel
-from mpidist.parallel.exchange import RequestChain, iallgather, iallreduce
-from mpidist.parallel.metered import MeteredModel, MeteredOptimizer, check_int
+from mpidist.parallel.exchange import CountingComm, RequestChain, iallgather, iallreduce
+from mpidist.parallel.hooks import GradientHook, check_int
 
 METHODS = ("none", "fp16", "bf16", "topk", "powersgd")
 
-__all__ = ["METHODS", "GradientCompressionModel", "GradientCompressionOptimizer"]
+__all__ = ["METHODS", "Compression"]
 
 
-class GradientCompressionModel(MeteredModel):
-    """DDP's bucketed, overlapped gradient exchange with each bucket compressed.
+class Compression(GradientHook):
+    """Each gradient piece exchanged compressed, at any sharding level.
 
-    Construction is collective over the mesh (as :class:`DDPModel`). ``method`` is one of
-    :data:`METHODS`; ``ratio`` is top-k's kept fraction, ``rank`` PowerSGD's rank.
+    Args:
+        method: ``"none"`` (an allreduce, bit for bit DDP's), ``"fp16"``/``"bf16"`` (16-bit
+            reduce-scatter by Alltoallv + 16-bit allgather, sums in the gradient dtype),
+            ``"topk"`` (per piece, the ``ceil(ratio*len)`` entries of largest magnitude of
+            gradient + residual, exchanged as (int32 index, value) pairs by allgather and
+            summed on every rank; the rest stays in the residual) or ``"powersgd"``
+            (rank-``rank`` factors with warm start and error feedback; 1-D tensors dense).
+        ratio: top-k's kept fraction in (0, 1].
+        rank: PowerSGD's rank, >= 1.
+
+    The error-feedback residuals and PowerSGD's warm starts are per-rank state, saved in
+    checkpoints. Unlike the synchronous hooks, compression also runs on a group of one
+    (its rounding and error feedback change the gradient there too).
     """
 
-    strategy = "compression"
+    name = "compressed"
+    metered = True
 
-    def __init__(self, module: Any, config: Any = None, *, seed: int = 0,
-                 method: str = "none", ratio: float = 0.01, rank: int = 4) -> None:
+    def __init__(self, method: str = "topk", *, ratio: float = 0.01, rank: int = 4) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"Compression: method={method!r} is not one of {METHODS}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+                or not 0 < ratio <= 1:
+            raise ValueError(f"Compression: ratio={ratio!r} must be in (0, 1]")
         self.method = method
-        self.ratio = ratio
-        self.rank = rank
-        self.two_phase = method in ("fp16", "bf16", "powersgd")
-        super().__init__(module, config, seed=seed)
-
-    def _allocate(self) -> None:
-        super()._allocate()
+        self.ratio = float(ratio)
+        self.rank = check_int("Compression", "rank", rank, 1)
         self.codecs: list[Any] = []
+        self.meter2: CountingComm | None = None
+        self._gate: deque[RequestChain] = deque()
+
+    @property
+    def state_kind(self) -> str:  # type: ignore[override]
+        return f"compression_{self.method}"
+
+    def strategy_name(self, level: int, base: str) -> str:
+        name = f"compression-{self.method}"
+        return name if level == 0 else f"{name}+{base}"
+
+    def bind(self, model: Any, pieces: list[Any]) -> None:
+        """Make a codec per piece; a two-phase method dups the group's communicator for its
+        second phases. Collective over the shard group."""
+        self.free()
+        super().bind(model, pieces)
+        if self.method in ("fp16", "bf16", "powersgd") and model.shard_size > 1:
+            self.meter2 = CountingComm(model.shard_comm.Dup(), totals=self.meter)
+        self._gate = deque()
+        self.codecs = []
         if self.method == "topk":
-            self.codecs = [TopKCodec(b.size, self.ratio, self.dtype) for b in self.buckets]
+            self.codecs = [TopKCodec(b.size, self.ratio, model.dtype) for b in pieces]
         elif self.method == "powersgd":
-            self.codecs = [PowerSGDCodec(self.layout, b, self.rank, self.dtype, self.seed)
-                           for b in self.buckets]
-        self.memory["compression_state"] = int(sum(
-            c.residual.nbytes + sum(q.nbytes for q in getattr(c, "qs", ()))
-            for c in self.codecs))
+            self.codecs = [PowerSGDCodec(model.layout, b, self.rank, model.dtype, model.seed)
+                           for b in pieces]
 
-    def sync_gradients(self) -> None:
-        # DDP skips starting buckets on a group of one; compression must still run there
-        # (error feedback and 16-bit rounding change the gradient even on one rank).
-        for i in range(len(self.buckets)):
-            self._start_bucket(i)
+    def free(self) -> None:
+        if self.meter2 is not None:
+            self.meter2.comm.Free()
+            self.meter2 = None
 
-    def finish_gradient_sync(self) -> None:
-        self.sync_gradients()
-        C.wait_all(list(self._pending.values()))
-        self._pending.clear()
+    def required(self) -> bool:
+        return True
 
-    def _start_bucket(self, i: int) -> None:
-        if i in self._pending:
-            return
-        b = self.buckets[i]
-        g = self.grads[b.start:b.stop]
+    def start(self, i: int, g: np.ndarray, *, blocking: bool = False) -> Any:
+        """Start the compressed sum of piece ``i`` over the group, in place (``blocking``
+        is ignored: compressed exchanges are always chains). Collective over the group."""
         self.dense_bytes += g.nbytes
-        start = getattr(self, f"_start_{self.method}")
-        self._pending[i] = start(i, g)
+        return getattr(self, f"_start_{self.method}")(i, g)
+
+    def rank_state_arrays(self) -> list[np.ndarray]:
+        """Error-feedback residuals (this rank's unsent gradient) and PowerSGD's warm-start
+        factors, per piece."""
+        out = []
+        for c in self.codecs:
+            out.append(c.residual)
+            out.extend(getattr(c, "qs", ()))
+        return out
+
+    def extra_memory(self) -> dict[str, int]:
+        return {"compression_state": int(sum(a.nbytes for a in self.rank_state_arrays()))}
 
     def _start_none(self, i: int, g: np.ndarray) -> RequestChain:
         return RequestChain(iallreduce(g, self.meter), None)
@@ -87,7 +122,7 @@ class GradientCompressionModel(MeteredModel):
         """
         from mpi4py import MPI
 
-        n, r = self.dp_size, self.dp_rank
+        n, r = self.model.shard_size, self.model.shard_rank
         m = g.size
         c = -(-m // n)
         w = c + 1  # one slot for the chunk's scale exponent
@@ -128,7 +163,7 @@ class GradientCompressionModel(MeteredModel):
         """Send (int32 indices, values) of the k largest |g + residual| with allgather."""
         codec: TopKCodec = self.codecs[i]
         idx, vals = codec.compress(g)
-        n = self.dp_size
+        n = self.model.shard_size
         all_idx = np.empty(n * codec.k, dtype=idx.dtype)
         all_vals = np.empty(n * codec.k, dtype=vals.dtype)
         reqs = iallgather(idx, all_idx, self.meter) + iallgather(vals, all_vals, self.meter)
@@ -158,80 +193,3 @@ class GradientCompressionModel(MeteredModel):
             codec.scatter_dense(dense, g)
 
         return RequestChain(reqs, second, self._gate)
-
-
-class GradientCompressionOptimizer(MeteredOptimizer):
-    """DDP with compressed gradient exchange.
-
-    Args:
-        base: the optimizer applied to the (decompressed) summed gradients.
-        config: :class:`ShardingConfiguration` (buckets, overlap, clipping...).
-        method: ``"none"`` (DDP's allreduce, bit for bit), ``"fp16"``/``"bf16"`` (16-bit
-            reduce-scatter by Alltoallv + 16-bit allgather, sums in the gradient dtype),
-            ``"topk"`` (per bucket, the ``ceil(ratio*len)`` entries of largest magnitude of
-            gradient + residual, exchanged as (int32 index, value) pairs by allgather and
-            summed on every rank; the rest stays in the residual) or ``"powersgd"``
-            (rank-``rank`` factors with warm start and error feedback; 1-D tensors dense).
-        ratio: top-k's kept fraction in (0, 1].
-        rank: PowerSGD's rank, >= 1.
-
-    ``step`` is collective over dp. ``compression_ratio`` = bytes sent / bytes of the
-    uncompressed buckets, both measured.
-    """
-
-    model_class = GradientCompressionModel
-
-    def __init__(self, base: Any, config: Any = None, *, method: str = "topk",
-                 ratio: float = 0.01, rank: int = 4, loss: Any = None,
-                 lr_schedule: Any = None) -> None:
-        if method not in METHODS:
-            raise ValueError(f"GradientCompressionOptimizer: method={method!r} is not one of "
-                             f"{METHODS}")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not 0 < ratio <= 1:
-            raise ValueError(f"GradientCompressionOptimizer: ratio={ratio!r} must be in (0, 1]")
-        self.method = method
-        self.ratio = float(ratio)
-        self.rank = check_int("GradientCompressionOptimizer", "rank", rank, 1)
-        super().__init__(base, config, loss=loss, lr_schedule=lr_schedule)
-
-    @property
-    def strategy(self) -> str:
-        return f"compression-{self.method}"
-
-    def wrap(self, module: Any, *, seed: int = 0) -> ShardedModel:
-        """Wrap ``module`` (collective over the mesh) and set up the optimizer state."""
-        model = GradientCompressionModel(module, self.config, seed=seed, method=self.method,
-                                         ratio=self.ratio, rank=self.rank)
-        self.attach(model)
-        return model
-
-    @property
-    def state_kind(self) -> str:  # type: ignore[override]
-        return f"compression_{self.method}"
-
-    def rank_state_arrays(self) -> list[np.ndarray]:
-        """Error-feedback residuals (this rank's unsent gradient) and PowerSGD's warm-start
-        factors, per bucket."""
-        model = self.model
-        if model is None:
-            return []
-        out = []
-        for c in getattr(model, "codecs", ()):
-            out.append(c.residual)
-            out.extend(getattr(c, "qs", ()))
-        return out
-
-    @property
-    def compression_ratio(self) -> float:
-        """Measured bytes sent / bytes of the uncompressed gradient buckets exchanged."""
-        model = self.model
-        if model is None or model.dense_bytes == 0:
-            return float("nan")
-        return self.bytes_sent / model.dense_bytes
-
-    def _extra_memory(self) -> dict[str, int]:
-        model = self.model
-        return {} if model is None else {"compression_state": model.memory["compression_state"]}
-
-

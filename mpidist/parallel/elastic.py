@@ -47,11 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.buffers import ShardedLayout, padded_length
+from mpidist.buffers import padded_length
 from mpidist.comms import bcast_json, in_place, mpi, world
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
-from mpidist.parallel.engine import ShardedModel, ShardedOptimizer
+from mpidist.parallel.engine import ShardedOptimizer
+from mpidist.parallel.model import ShardedModel
+from mpidist.parallel.placement import LEVEL_NAMES, Placement
 
 __all__ = [
     "ElasticOptimizer",
@@ -185,31 +187,7 @@ def transfer_plan(numels: Sequence[int], n_old: int, n_new: int, old_ranks: Sequ
     return sends, recvs
 
 
-def _offset(layout: ShardedLayout, u: int, a: int, *, sharded: bool) -> int:
-    span = layout.units[u]
-    if sharded:
-        return span.local_offset + a - layout.rank * span.shard
-    return span.full_offset + a
-
-
 # -- the optimizer ------------------------------------------------------------------------
-_NOINIT: dict[type, type] = {}
-
-
-def _no_init(cls: type[ShardedModel]) -> type[ShardedModel]:
-    """The model class without its initialisation (and its broadcast): the state is about
-    to be moved in, so computing initial values would be wasted work."""
-    if cls not in _NOINIT:
-        _NOINIT[cls] = type(f"Elastic{cls.__name__}", (cls,), {"_initialize": lambda self: None})
-    return _NOINIT[cls]
-
-
-def _strategies() -> dict[str, type[ShardedOptimizer]]:
-    from mpidist.parallel import STRATEGIES
-
-    return STRATEGIES
-
-
 class ElasticOptimizer(ShardedOptimizer):
     """A data-parallel strategy whose workers may leave and join between steps.
 
@@ -218,7 +196,9 @@ class ElasticOptimizer(ShardedOptimizer):
         config: a :class:`ShardingConfiguration` without a mesh (the elastic optimizer makes
             one per membership).
         min_workers, max_workers: the allowed world sizes; changes outside are refused.
-        strategy: the strategy run at every size: "ddp", "zero1", "zero2" or "zero3".
+        strategy: the strategy run at every size: a data-parallel strategy's name
+            (one of :data:`~mpidist.parallel.placement.LEVEL_NAMES`);
+        zero_stage: or its sharding level, 0-3 (when given, ``strategy`` is not read).
         comm: the communicator of the initial workers (default ``MPI.COMM_WORLD``; it is
             duplicated). Ignored in a spawned joiner.
         loss, lr_schedule: as for :class:`ShardedOptimizer`.
@@ -251,7 +231,8 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
                  min_workers: int = 1, max_workers: int = 1024, *, strategy: str = "ddp",
-                 comm: Any = None, loss: Any = None, lr_schedule: Any = None,
+                 zero_stage: int | None = None, comm: Any = None, loss: Any = None,
+                 lr_schedule: Any = None,
                  events: str | Callable[[dict[str, Any]], None] | None = None,
                  spawn_command: str | None = None, spawn_args: Sequence[str] | None = None,
                  handle_sigterm: bool = True) -> None:
@@ -260,16 +241,17 @@ class ElasticOptimizer(ShardedOptimizer):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if min_workers > max_workers:
             raise ValueError(f"min_workers={min_workers} is above max_workers={max_workers}")
-        strategies = _strategies()
-        if strategy not in strategies:
-            raise ValueError(f"strategy={strategy!r} is not one of {sorted(strategies)}")
+        if zero_stage is None:
+            if strategy not in LEVEL_NAMES:
+                raise ValueError(f"strategy={strategy!r} is not one of {list(LEVEL_NAMES)}")
+            zero_stage = LEVEL_NAMES.index(strategy)
         config = config if config is not None else ShardingConfiguration()
         if config.mesh is not None:
             raise ValueError("ElasticOptimizer makes its own meshes; give a config with mesh=None")
-        self.model_class = strategies[strategy].model_class  # type: ignore[misc]
-        super().__init__(base, config, loss=loss, lr_schedule=lr_schedule)
+        super().__init__(base, config, level=zero_stage, loss=loss, lr_schedule=lr_schedule,
+                         comm=comm)
         self.min_workers, self.max_workers = int(min_workers), int(max_workers)
-        self.inner_strategy = strategy
+        self.inner_strategy = super().strategy
         self.events = events
         self.spawn_command = spawn_command or sys.executable
         self.spawn_args = list(spawn_args) if spawn_args is not None else \
@@ -382,17 +364,18 @@ class ElasticOptimizer(ShardedOptimizer):
                              f"max_workers={self.max_workers}]")
         self._comm = comm.Dup()
         self._mesh = ProcessMesh(self._comm)
-        model = self.model_class(module, self.config.replace(mesh=self._mesh), seed=seed)
+        model = self._build_model(module, seed=seed,
+                                  config=self.config.replace(mesh=self._mesh))
         self.attach(model)
         return model
 
-    def _build(self, comm: Any) -> ShardedModel:
+    def _rebuild(self, comm: Any) -> ShardedModel:
+        """The model on a new membership, without initial values (the state is about to
+        be moved in, so computing them would be wasted work). Collective over ``comm``."""
         from mpidist.mesh import ProcessMesh
 
-        mesh = ProcessMesh(comm)
-        model = _no_init(self.model_class)(self._module, self.config.replace(mesh=mesh),
-                                           seed=self._seed)
-        return model
+        return self._build_model(self._module, seed=self._seed, initialize=False,
+                                 config=self.config.replace(mesh=ProcessMesh(comm)))
 
     # -- the step boundary --------------------------------------------------------------
     def maybe_rescale(self, model: ShardedModel | None = None) -> ShardedModel | None:
@@ -453,7 +436,7 @@ class ElasticOptimizer(ShardedOptimizer):
         me = union.Get_rank()
         staying = new_ranks[me] >= 0
         new_comm = union.Split(0 if staying else MPI.UNDEFINED, new_ranks[me] if staying else 0)
-        new_model = self._build(new_comm) if staying else None
+        new_model = self._rebuild(new_comm) if staying else None
         new_state = self.base.init_state(new_model.state_size, dtype=new_model.dtype) \
             if new_model is not None else None
         numels = [s.numel for s in old_model.layout.units]
@@ -462,14 +445,14 @@ class ElasticOptimizer(ShardedOptimizer):
         for hook in self._phase_hooks:
             hook("redistribute", me_old)
         moved = _move(union, numels, d, old_ranks, new_ranks, me,
-                      old_model.layout, old_model.parameter_storage,
-                      new_model.layout if new_model else None,
+                      old_model.placement, old_model.parameter_storage,
+                      new_model.placement if new_model else None,
                       new_model.parameter_storage if new_model else None,
                       sharded=old_model.shards_params)
         for key in sorted(self.state.buffers):
             moved += _move(union, numels, d, old_ranks, new_ranks, me,
-                           old_model.layout, self.state.buffers[key],
-                           new_model.layout if new_model else None,
+                           old_model.placement, self.state.buffers[key],
+                           new_model.placement if new_model else None,
                            new_state.buffers[key] if new_state else None,
                            sharded=old_model.shards_state)
         t3 = time.perf_counter()
@@ -484,7 +467,7 @@ class ElasticOptimizer(ShardedOptimizer):
         self.last_timing = timing
         if not staying:
             self._comm = self._mesh = None
-            self.model, self.state, self._pieces = None, None, []
+            self.model, self.state, self.pieces = None, None, []
             self.left = True
             self.close()
             log.warning("[worker %d] left the job after step %d (%d -> %d workers)",
@@ -518,7 +501,7 @@ class ElasticOptimizer(ShardedOptimizer):
         d = ResizeDecision(n_old, tuple(meta["leavers"]), size - n_old)
         old_ranks, new_ranks = membership(d)
         new_comm = union.Split(0, new_ranks[me])
-        model = self._build(new_comm)
+        model = self._rebuild(new_comm)
         numels = [s.numel for s in model.layout.units]
         if numels != list(meta["numels"]):
             raise ValueError(f"the joining model's units have {numels} elements, the job's "
@@ -527,22 +510,16 @@ class ElasticOptimizer(ShardedOptimizer):
         if sorted(state.buffers) != list(meta["state_keys"]):
             raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the job's "
                              f"{meta['state_keys']}: not the same optimizer")
-        _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.layout,
+        _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.placement,
               model.parameter_storage, sharded=model.shards_params)
         for key in sorted(state.buffers):
-            _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.layout,
+            _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.placement,
                   state.buffers[key], sharded=model.shards_state)
         union.Free()
-        state.step = int(meta["step"])
         self._comm, self._mesh = new_comm, model.mesh
         self.model, self.state = model, state
         self._bind_pieces()
-        self.step_count = int(meta["steps_taken"])
-        if meta["data"] is not None:
-            if self.sampler is not None:
-                self.sampler.load_state_dict(meta["data"])
-            else:
-                self._data_state = dict(meta["data"])
+        self.restore_position(int(meta["step"]), int(meta["steps_taken"]), meta["data"])
         log.warning("[worker %d] joined the job at step %d (%d workers) in %.3f s",
                     new_comm.Get_rank(), self.step_count, d.n_new, time.perf_counter() - t0)
         return model
@@ -589,8 +566,8 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 
 # -- MPI helpers ---------------------------------------------------------------------------
 def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int],
-          new_ranks: list[int], me: int, src_layout: ShardedLayout | None,
-          src: np.ndarray | None, dst_layout: ShardedLayout | None, dst: np.ndarray | None,
+          new_ranks: list[int], me: int, src_place: Placement | None,
+          src: np.ndarray | None, dst_place: Placement | None, dst: np.ndarray | None,
           *, sharded: bool) -> int:
     """Move one flat buffer from the old layout to the new one. Collective over ``union``.
 
@@ -603,19 +580,19 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     dtype = (src if src is not None else dst).dtype  # type: ignore[union-attr]
     if not sharded and src is not None and dst is not None:
         # A replicated buffer on a worker that stays: re-lay-out locally (padding moves).
-        if src_layout is None or dst_layout is None:
-            raise RuntimeError("elastic resize: a staying worker lacks a layout")
+        if src_place is None or dst_place is None:
+            raise RuntimeError("elastic resize: a staying worker lacks a placement")
         for u, numel in enumerate(numels):
-            a = src_layout.units[u].full_offset
-            b = dst_layout.units[u].full_offset
+            a = src_place.unit_offset(u, 0, sharded=False)
+            b = dst_place.unit_offset(u, 0, sharded=False)
             dst[b:b + numel] = src[a:a + numel]
     pieces = []
     scounts = np.zeros(len(sends), dtype=np.int64)
     for j, plan in enumerate(sends):
         for u, a, b in plan:
-            if src_layout is None or src is None:
+            if src_place is None or src is None:
                 raise RuntimeError("elastic resize: sending from a worker with no old shard")
-            o = _offset(src_layout, u, a, sharded=sharded)
+            o = src_place.unit_offset(u, a, sharded=sharded)
             pieces.append(src[o:o + b - a])
             scounts[j] += b - a
     sendbuf = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
@@ -628,9 +605,9 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     pos = 0
     for plan in recvs:
         for u, a, b in plan:
-            if dst_layout is None or dst is None:
+            if dst_place is None or dst is None:
                 raise RuntimeError("elastic resize: receiving on a worker with no new shard")
-            o = _offset(dst_layout, u, a, sharded=sharded)
+            o = dst_place.unit_offset(u, a, sharded=sharded)
             dst[o:o + b - a] = recvbuf[pos:pos + b - a]
             pos += b - a
     return int((scounts.sum() - scounts[me]) * np.dtype(dtype).itemsize)

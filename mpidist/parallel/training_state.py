@@ -23,7 +23,7 @@ class TrainingStateMixin:
     sampler: Any
     step_count: int
     strategy: str
-    _pieces: list[Any]
+    pieces: list[Any]
     _data_state: dict[str, Any] | None
 
     def _require_model(self) -> Any:
@@ -72,16 +72,23 @@ class TrainingStateMixin:
         model.load_full_parameters(d["params"])
         for key, local in self.state.buffers.items():
             model.load_state_tensors(state[key], local)
-        self.state.step = int(d["step"])
-        self.step_count = int(d.get("steps_taken", d["step"]))
-        data = d.get("data")
-        if data is not None:
+        self.restore_position(int(d["step"]), int(d.get("steps_taken", d["step"])),
+                              d.get("data"))
+
+    def restore_position(self, step: int, steps_taken: int, data: dict[str, Any] | None
+                         ) -> None:
+        """Continue from optimizer update ``step``, training step ``steps_taken`` and the
+        sampler position ``data`` (kept for the sampler :meth:`optimize` makes when there is
+        none yet). Not collective."""
+        self.state.step = int(step)
+        self.step_count = int(steps_taken)
+        for _, _, st in self.pieces:
+            st.step = self.state.step
+        if data:
             if self.sampler is not None:
                 self.sampler.load_state_dict(data)
             else:
                 self._data_state = dict(data)
-        for _, _, st in self._pieces:
-            st.step = self.state.step
 
     def save(self, path: str, *, keep: int | None = None,
              extra: dict[str, Any] | None = None) -> str:

@@ -9,10 +9,7 @@ from typing import Any
 
 from mpidist.run.config import TrainConfig
 
-__all__ = ["inner_strategy", "make_data", "make_optimizer", "make_schedule", "make_strategy",
-           "make_model"]
-
-_DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
+__all__ = ["make_data", "make_optimizer", "make_schedule", "make_strategy", "make_model"]
 
 
 def make_optimizer(cfg: TrainConfig) -> Any:
@@ -37,75 +34,49 @@ def make_schedule(cfg: TrainConfig) -> Any:
                                 min_lr=min(cfg.min_lr, cfg.lr))
 
 
-def inner_strategy(cfg: TrainConfig) -> str:
-    """The data-parallel strategy an elastic run uses at every size."""
-    return f"zero{cfg.zero_stage}" if cfg.zero_stage else "ddp"
-
-
 def _check_combination(cfg: TrainConfig) -> None:
     """Flags that do not go together, raised before anything is built (pure)."""
-    if cfg.strategy != "hybrid" and (cfg.pp != 1 or cfg.tp != 1):
+    from mpidist.parallel.registry import DATA_PARALLEL, STRATEGIES
+
+    takes = STRATEGIES[cfg.strategy].options
+    if (cfg.pp != 1 or cfg.tp != 1) and "pp" not in takes:
+        with_pp = [n for n, s in STRATEGIES.items() if "pp" in s.options]
+        raise ValueError(f"--pp {cfg.pp} --tp {cfg.tp} need --strategy {' or '.join(with_pp)} "
+                         f"(got --strategy {cfg.strategy})")
+    level = STRATEGIES[cfg.strategy].level
+    if cfg.zero_stage and "zero_stage" not in takes and cfg.zero_stage != level:
+        named = DATA_PARALLEL[cfg.zero_stage]
+        others = [n for n, s in STRATEGIES.items() if "zero_stage" in s.options]
         raise ValueError(
-            f"--pp {cfg.pp} --tp {cfg.tp} need --strategy hybrid (got --strategy {cfg.strategy})"
-        )
-    if cfg.zero_stage and cfg.strategy not in ("hybrid", "elastic") \
-            and cfg.strategy != f"zero{cfg.zero_stage}":
-        raise ValueError(
-            f"--zero-stage {cfg.zero_stage} applies to --strategy hybrid or elastic; for data "
-            f"parallelism use --strategy zero{cfg.zero_stage} (got --strategy {cfg.strategy})"
+            f"--zero-stage {cfg.zero_stage} applies to --strategy {', '.join(others)}; for "
+            f"data parallelism use --strategy {named} (got --strategy {cfg.strategy})"
         )
 
 
 def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
-    """The strategy optimizer of ``cfg`` on ``comm``. Collective over ``comm`` (the mesh).
+    """The strategy optimizer of ``cfg`` on ``comm``, built by the registry
+    (:data:`mpidist.parallel.STRATEGIES`) from the options the strategy declares.
+    Collective over ``comm`` (the mesh).
 
     Raises ValueError (the same on every rank, before any communication) for flags that do
     not go together.
     """
     from mpidist.nn import CrossEntropyLoss
-    from mpidist.parallel import ShardingConfiguration
+    from mpidist.parallel import STRATEGIES, ShardingConfiguration
 
     _check_combination(cfg)
-    common = {"loss": CrossEntropyLoss(), "lr_schedule": make_schedule(cfg)}
-    base = make_optimizer(cfg)
+    spec = STRATEGIES[cfg.strategy]
     config = ShardingConfiguration(dtype=cfg.dtype, micro_batches=cfg.micro_batches,
                                    max_grad_norm=cfg.max_grad_norm, bucket_mb=cfg.bucket_mb)
-    if cfg.strategy == "hybrid":
-        from mpidist.parallel import HybridShardedOptimizer
-
-        return HybridShardedOptimizer(
-            base, config, pipeline_parallel_size=cfg.pp, tensor_parallel_size=cfg.tp,
-            data_parallel_size=cfg.dp, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
-            comm=comm, **common)
-    if cfg.strategy == "elastic":
-        from mpidist.parallel import ElasticOptimizer
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    if "min_workers" in spec.options:
         from mpidist.run.elastic import elastic_bounds
 
-        lo, hi = elastic_bounds(cfg)
-        return ElasticOptimizer(base, config, lo, hi, strategy=inner_strategy(cfg), comm=comm,
-                                events=os.path.join(cfg.out, "events.jsonl"), **common)
-    from mpidist.mesh import ProcessMesh
-
-    config = config.replace(mesh=ProcessMesh(comm, dp=cfg.dp))
-    if cfg.strategy in _DATA_PARALLEL:
-        from mpidist.parallel import STRATEGIES
-
-        return STRATEGIES[cfg.strategy](base, config, **common)
-    from mpidist.parallel import (
-        AsyncSGDOptimizer,
-        GradientCompressionOptimizer,
-        LocalSGDOptimizer,
-    )
-
-    if cfg.strategy == "localsgd":
-        return LocalSGDOptimizer(base, config, sync_every=cfg.sync_period, **common)
-    if cfg.strategy == "compressed":
-        return GradientCompressionOptimizer(base, config, method=cfg.compression,
-                                            ratio=cfg.topk_ratio, rank=cfg.powersgd_rank,
-                                            **common)
-    if cfg.strategy == "async":
-        return AsyncSGDOptimizer(base, config, staleness=cfg.staleness, **common)
-    raise ValueError(f"--strategy {cfg.strategy!r} is not a strategy mpidist train builds")
+        settings["min_workers"], settings["max_workers"] = elastic_bounds(cfg)
+        settings["events"] = os.path.join(cfg.out, "events.jsonl")
+    return spec(make_optimizer(cfg), config, loss=CrossEntropyLoss(),
+                lr_schedule=make_schedule(cfg), comm=comm,
+                **{name: settings[name] for name in spec.options})
 
 
 def make_model(cfg: TrainConfig) -> Any:

@@ -14,16 +14,16 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from mpidist.optim import OPTIMIZERS
+from mpidist.parallel.registry import STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
            "check_output_directory", "load_toml"]
 
-STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "elastic", "localsgd",
-                  "compressed", "async")
+STRATEGY_NAMES = tuple(STRATEGIES)
 COMPRESSION_METHODS = ("fp16", "bf16", "topk", "powersgd")
 
 _POSITIVE = ("global_batch", "steps", "micro_batches", "n_layer", "n_head", "n_embd",
-             "block_size", "vocab_size", "keep", "eval_batches", "sync_period",
+             "block_size", "vocab_size", "keep", "eval_batches", "sync_period", "shard_group",
              "powersgd_rank")
 
 
@@ -38,6 +38,7 @@ class TrainConfig:
     dp: int = -1
     zero_stage: int = 0
     sync_period: int = 8
+    shard_group: int = 1
     compression: str = "topk"
     topk_ratio: float = 0.01
     powersgd_rank: int = 4
@@ -208,8 +209,11 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--tp", int, None, "tensor-parallel size (--strategy hybrid)"),
     ("--dp", int, None, "data-parallel size; -1: the ranks left"),
     ("--zero-stage", int, (0, 1, 2, 3),
-     "ZeRO stage of --strategy hybrid or elastic (0: replicated)"),
+     "sharding level (ZeRO stage) of --strategy hybrid, elastic, localsgd, compressed "
+     "(0: replicated)"),
     ("--sync-period", int, None, "local steps between averages (--strategy localsgd)"),
+    ("--shard-group", int, None,
+     "ranks per replica of --strategy localsgd, which shard it at --zero-stage >= 1"),
     ("--compression", str, COMPRESSION_METHODS, "gradient codec (--strategy compressed)"),
     ("--topk-ratio", float, None, "fraction of each bucket sent (--compression topk)"),
     ("--powersgd-rank", int, None, "rank of the factors (--compression powersgd)"),

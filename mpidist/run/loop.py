@@ -26,7 +26,7 @@ from mpidist import collectives as C
 from mpidist.comms import world
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
-from mpidist.run.build import inner_strategy, make_data, make_model, make_strategy
+from mpidist.run.build import make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
 from mpidist.run.directory import JSONL_FILES, LOG_NAME, drop_rows_after, remove_run_outputs
 from mpidist.run.elastic import ElasticHook
@@ -230,7 +230,7 @@ class _Run:
         cfg = self.cfg
         extra: dict[str, Any] = {}
         if self.elastic:
-            extra = {"inner": inner_strategy(cfg), "min_workers": self.opt.min_workers,
+            extra = {"inner": self.opt.inner_strategy, "min_workers": self.opt.min_workers,
                      "max_workers": self.opt.max_workers}
         self.events.write(event="start", step=start, world_size=self.world_size(),
                           strategy=cfg.strategy, mesh=_mesh_dict(self.model),
@@ -337,7 +337,7 @@ class _Run:
             "preempted": self.preempted or None,
         }
         if self.elastic:
-            summary["inner_strategy"] = inner_strategy(cfg)
+            summary["inner_strategy"] = self.opt.inner_strategy
             summary["changes"] = [h for h in self.opt.history if h["event"] != "refused"]
         return summary
 

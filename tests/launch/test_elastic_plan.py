@@ -22,11 +22,11 @@ from mpidist.parallel import ShardingConfiguration
 from mpidist.parallel.elastic import (
     ElasticOptimizer,
     ResizeDecision,
-    _offset,
     decide,
     membership,
     transfer_plan,
 )
+from mpidist.parallel.placement import Placement
 
 UNITS = [[("a", (3, 5)), ("b", (7,))], [("c", (11,))], [("d", (2, 2)), ("e", (1,))]]
 
@@ -60,13 +60,19 @@ def _simulate(d: ResizeDecision, sharded: bool) -> None:
     rng = np.random.default_rng(0)
     old_ranks, new_ranks = membership(d)
     size = len(old_ranks)
-    olds = {i: ShardedLayout(UNITS, d.n_old, r) for i, r in enumerate(old_ranks) if r >= 0}
-    news = {i: ShardedLayout(UNITS, d.n_new, r) for i, r in enumerate(new_ranks) if r >= 0}
-    any_old = next(iter(olds.values()))
+    names = [[n for u in UNITS for n, _ in u]]
+
+    def place(n: int, r: int) -> Placement:
+        return Placement(UNITS, global_units=UNITS, stage_names=names, level=1, n=n, rank=r)
+
+    olds = {i: place(d.n_old, r) for i, r in enumerate(old_ranks) if r >= 0}
+    news = {i: place(d.n_new, r) for i, r in enumerate(new_ranks) if r >= 0}
+    any_old = next(iter(olds.values())).layout
     numels = [u.numel for u in any_old.units]
     truth = [rng.standard_normal(n) for n in numels]
 
-    def make(layout):
+    def make(place):
+        layout = place.layout
         full = np.zeros(layout.full_size)
         for u, n in enumerate(numels):
             full[layout.units[u].full_offset:layout.units[u].full_offset + n] = truth[u]
@@ -78,8 +84,8 @@ def _simulate(d: ResizeDecision, sharded: bool) -> None:
         return local
 
     src = {i: make(lay) for i, lay in olds.items()}
-    dst = {i: np.full(lay.full_size if not sharded else lay.local_size, np.nan)
-           for i, lay in news.items()}
+    dst = {i: np.full(p.layout.full_size if not sharded else p.layout.local_size, np.nan)
+           for i, p in news.items()}
     for i in news:  # padding stays zero
         want = make(news[i])
         dst[i][want == 0] = 0.0
@@ -88,14 +94,15 @@ def _simulate(d: ResizeDecision, sharded: bool) -> None:
     if not sharded:
         for i in set(olds) & set(news):
             for u, n in enumerate(numels):
-                a, b = olds[i].units[u].full_offset, news[i].units[u].full_offset
+                a = olds[i].unit_offset(u, 0, sharded=False)
+                b = news[i].unit_offset(u, 0, sharded=False)
                 dst[i][b:b + n] = src[i][a:a + n]
     for i in range(size):
         for j in range(size):
             assert plans[i][0][j] == plans[j][1][i]  # what i sends is what j expects
             for u, a, b in plans[i][0][j]:
-                so = _offset(olds[i], u, a, sharded=sharded)
-                do = _offset(news[j], u, a, sharded=sharded)
+                so = olds[i].unit_offset(u, a, sharded=sharded)
+                do = news[j].unit_offset(u, a, sharded=sharded)
                 dst[j][do:do + b - a] = src[i][so:so + b - a]
     for i, lay in news.items():
         np.testing.assert_array_equal(dst[i], make(lay))

@@ -12,11 +12,12 @@ from mpidist import collectives as C
 from mpidist.data import TextCorpus
 from mpidist.mesh import ProcessMesh
 from mpidist.optim import SGD
-from mpidist.parallel import DDPOptimizer, ShardingConfiguration
-from mpidist.parallel.communication import (
+from mpidist.parallel import (
     AsyncSGDOptimizer,
+    DDPOptimizer,
     GradientCompressionOptimizer,
     LocalSGDOptimizer,
+    ShardingConfiguration,
 )
 
 B = 24  # divisible by 1, 2, 3 and 4 ranks
@@ -125,7 +126,7 @@ def compression(method, **kw):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_bytes_dense_and_16bit(comm, dtype):
     _, none, model = train(comm, compression("none"), 2, dtype=dtype)
-    assert none.bytes_sent_last_step == model.grads.nbytes == model.dense_bytes // 2
+    assert none.bytes_sent_last_step == model.grads.nbytes == model.hook.dense_bytes // 2
     assert none.compression_ratio == 1.0
     n = model.dp_size
     for method in ("fp16", "bf16"):
@@ -145,14 +146,14 @@ def test_bytes_topk_is_about_the_ratio(comm):
     ks = [math.ceil(0.01 * b.size) for b in model.buckets]
     # int32 index + float32 value per kept entry; never the dense vector
     assert opt.bytes_sent_last_step == sum(ks) * (4 + 4)
-    assert set(model.meter.by_op) == {"Iallgather"}
+    assert set(model.hook.meter.by_op) == {"Iallgather"}
     assert 0.02 <= opt.compression_ratio < 0.022  # 1% values + 1% indices
 
 
 @pytest.mark.mpi(min_size=2)
 def test_bytes_powersgd(comm):
     _, opt, model = train(comm, compression("powersgd", rank=2), 2, dtype="float32")
-    want = sum(4 * (c.dense_index.size + c.p_size + c.q_size) for c in model.codecs)
+    want = sum(4 * (c.dense_index.size + c.p_size + c.q_size) for c in model.hook.codecs)
     assert opt.bytes_sent_last_step == want
     assert opt.compression_ratio < 0.3
 
@@ -178,7 +179,7 @@ def test_topk_error_feedback_in_training(comm):
     """Per rank: sent + residual = sum of the gradients; per step: the applied gradient is
     the sum over ranks of what was sent."""
     opt, model, data = build(comm, compression("topk", ratio=0.05))
-    codec = model.codecs[0]
+    codec = model.hook.codecs[0]
     b = model.buckets[0]
     seen = {"in": np.zeros(codec.size), "sent": np.zeros(codec.size), "last": None}
     inner = codec.compress
@@ -246,12 +247,12 @@ def test_async_staleness_semantics(comm):
         losses.append(C.allreduce(np.array([local]), "sum", comm=comm)[0])
         queue.append(ref.grads.copy())
         while len(queue) > s:
-            ref_opt.base.update(ref.params, queue.pop(0), ref_opt._pieces[0][2])
+            ref_opt.base.update(ref.params, queue.pop(0), ref_opt.pieces[0][2])
     np.testing.assert_allclose(got.losses, losses, **EXACT)
     np.testing.assert_allclose(model.params, ref.params, **EXACT)
     opt.flush()
     for g in queue:
-        ref_opt.base.update(ref.params, g, ref_opt._pieces[0][2])
+        ref_opt.base.update(ref.params, g, ref_opt.pieces[0][2])
     assert opt.in_flight == 0 and opt.applied == steps
     np.testing.assert_allclose(model.params, ref.params, **EXACT)
 

@@ -8,17 +8,21 @@ from strategy_helpers import make_case
 
 from mpidist.buffers import Bucket, ShardedLayout
 from mpidist.optim import SGD
-from mpidist.parallel import DDPOptimizer, ShardingConfiguration
-from mpidist.parallel.codecs import decode16, encode16
-from mpidist.parallel.communication import (
+from mpidist.parallel import (
     AsyncSGDOptimizer,
     CountingComm,
+    DDPOptimizer,
     GradientCompressionOptimizer,
     LocalSGDOptimizer,
+    ShardingConfiguration,
+)
+from mpidist.parallel.codecs import (
     PowerSGDCodec,
     TopKCodec,
     bf16_decode,
     bf16_encode,
+    decode16,
+    encode16,
 )
 
 

@@ -10,8 +10,7 @@ from mpidist.data import GlobalBatchSampler, TextCorpus
 from mpidist.mesh import ProcessMesh
 from mpidist.nn import GPT, MLP, CrossEntropyLoss, GPTConfig, MSELoss
 from mpidist.optim import AdamW
-from mpidist.parallel import DDPOptimizer, ShardingConfiguration
-from mpidist.parallel.hybrid import HybridShardedOptimizer
+from mpidist.parallel import DDPOptimizer, HybridShardedOptimizer, ShardingConfiguration
 
 # n_head, n_embd and the vocabulary divide by 2 and 4; n_layer=2 gives 4 units.
 CONFIG = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=4, n_embd=16)
@@ -86,7 +85,8 @@ def replicated_identical_over_tp(model) -> None:
         return
     full = model.gather_state(model.param_shard) if model.shards_params else model.params
     views = model.layout.full_views(full)
-    names = [n for n in model.stage_names[model.stage] if n not in model.partitions]
+    place = model.placement
+    names = [n for n in place.stage_names[model.stage] if n not in place.partitions]
     mine = np.concatenate([views[n].reshape(-1) for n in names])
     every = C.allgather(mine, comm=model.tp_comm).reshape(model.tp_size, -1)
     assert (every == every[0]).all(), "tp-replicated parameters diverged"

@@ -21,6 +21,7 @@ from mpidist.parallel import (
     LocalSGDOptimizer,
     ShardingConfiguration,
 )
+from mpidist.parallel.registry import DATA_PARALLEL
 
 B = 32
 STEPS = 5
@@ -49,7 +50,7 @@ def check(result, model, ref) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
 @pytest.mark.parametrize("micro,clip", [(1, None), (3, 0.05)])
 def test_data_parallel_strategies_match_single_process(comm, strategy, micro, clip):
     if not uneven(comm.Get_size(), micro):

@@ -1,0 +1,654 @@
+"""The one sharded data-parallel component: a model on a (pp, dp, tp) mesh, sharded over dp
+at a level, its gradients communicated by a hook.
+
+:class:`ShardedModel` is what every strategy wraps a model in (design idea 11):
+
+* tensor parallelism is applied first (``tp > 1``: the tensor-parallel form of the model,
+  its split tensors listed by :func:`mpidist.nn.tensor_parallel.tp_partitions`);
+* the units are cut into pipeline stages (:func:`~mpidist.parallel.pipeline.partition_units`)
+  and this rank keeps its stage's;
+* the stage is sharded over the data-parallel group at ``level`` 0-3 — what is sharded:
+  nothing (DDP), the optimizer state (ZeRO-1), and the gradients (ZeRO-2), and the
+  parameters (ZeRO-3: each unit gathered just in time, the next one prefetched);
+* its gradients go to a :class:`~mpidist.parallel.hooks.GradientHook` piece by piece as
+  backward produces them: buckets of the full gradient at levels 0-1 (each started as soon
+  as backward has filled it), units at levels 2-3 (their sum's shard kept).
+
+Where every element lives is the :class:`~mpidist.parallel.placement.Placement`'s answer.
+Loss convention: every rank normalises its local loss by the global count, so gradients
+are summed, not averaged, over dp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from mpidist import collectives as C
+from mpidist.buffers import Bucket
+from mpidist.comms import world
+from mpidist.mesh import MeshShape, resolve_shape
+from mpidist.parallel.config import ShardingConfiguration
+from mpidist.parallel.hooks import GradientHook, default_hook
+from mpidist.parallel.pipeline import BALANCES, partition_units
+from mpidist.parallel.placement import Placement
+
+__all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
+
+
+def units_of(module: Any) -> list[Any]:
+    """The module's units (its ``units`` list; a module without one is one unit)."""
+    units = getattr(module, "units", None)
+    if units is None:
+        return [module]
+    units = list(units)
+    if not units:
+        raise ValueError(f"{type(module).__name__}.units is empty")
+    return units
+
+
+def has_units(module: Any) -> bool:
+    units = getattr(module, "units", None)
+    return units is not None and len(list(units)) > 1
+
+
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{what}={v!r} must be an integer")
+    return int(v)
+
+
+def resolve_mesh_shape(config: ShardingConfiguration, comm: Any = None, pp: int = 1,
+                       tp: int = 1, dp: int = -1) -> MeshShape:
+    """The mesh sizes of a run. Pure (reads the communicator's size only).
+
+    With ``config.mesh`` the sizes come from the mesh; sizes given as well must agree
+    (the defaults pp=1, tp=1, dp=-1 all together mean "whatever the mesh has"). Otherwise
+    they are checked against the size of ``comm`` (default ``MPI.COMM_WORLD``).
+    ValueError naming the values on a mismatch, identically on every rank.
+    """
+    pp, tp, dp = _int(pp, "pipeline_parallel_size"), _int(tp, "tensor_parallel_size"), \
+        _int(dp, "data_parallel_size")
+    mesh = config.mesh
+    if mesh is not None:
+        s = mesh.shape
+        if (pp, tp, dp) != (1, 1, -1) and (
+                (pp, tp) != (s.pp, s.tp) or dp not in (-1, s.dp)):
+            raise ValueError(
+                f"pipeline_parallel_size={pp}, tensor_parallel_size={tp}, "
+                f"data_parallel_size={dp} do not match config.mesh (pp={s.pp}, dp={s.dp}, "
+                f"tp={s.tp})"
+            )
+        return s
+    return resolve_shape(world(comm).Get_size(), pp, tp, dp)
+
+
+class ShardedModel:
+    """This rank's part of a model: its pipeline stage's units, in their tensor-parallel
+    form when tp > 1, in the flat storage of sharding ``level`` over dp.
+
+    Construction is collective over the mesh; every check of the arguments raises
+    ValueError on every rank before any communication.
+
+    Args:
+        module: the single-process model (an :class:`mpidist.nn.GPT` for tp > 1; its
+            ``units`` are run one at a time; a module without units is one unit).
+        config: the :class:`ShardingConfiguration`; ``config.mesh`` or the sizes below.
+        seed: initial values depend only on (seed, name), so every rank, strategy and mesh
+            starts from slices of the same single-process model.
+        level: 0-3, what is sharded over dp (see :data:`~mpidist.parallel.placement.LEVELS`).
+        hook: the gradient communication (default: allreduce at levels 0-1, reduce-scatter
+            at 2-3).
+        pipeline_parallel_size, tensor_parallel_size, data_parallel_size: mesh sizes when
+            ``config.mesh`` is None (built on ``comm``, default ``MPI.COMM_WORLD``).
+        balance: pipeline stage split, "uniform" (units) or "parameters" (their size).
+        initialize: False skips computing initial values (state is about to be moved in).
+    """
+
+    #: the level when none is given (the entry points DDPModel, ZeRO1Model... fix theirs)
+    default_level = 0
+
+    def __init__(self, module: Any, config: ShardingConfiguration | None = None, *,
+                 seed: int = 0, level: int | None = None, hook: GradientHook | None = None,
+                 pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = -1, balance: str = "uniform", comm: Any = None,
+                 initialize: bool = True) -> None:
+        self.config = config if config is not None else ShardingConfiguration()
+        self.module = module
+        self.seed = int(seed)
+        self.level = _int(self.default_level if level is None else level, "level")
+        self.hook = hook if hook is not None else default_hook(self.level)
+        shape = resolve_mesh_shape(self.config, comm, pipeline_parallel_size,
+                                   tensor_parallel_size, data_parallel_size)
+        self.pp_size, self.dp_size, self.tp_size = shape.pp, shape.dp, shape.tp
+        if balance not in BALANCES:
+            raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
+        self.hook.check(self.level, shape.pp, shape.tp)
+        global_units = units_of(module)
+        self._check(global_units)
+        self.bounds = partition_units(
+            [sum(int(np.prod(s)) for _, s in u.named_parameter_shapes()) for u in global_units],
+            self.pp_size, balance)
+        self.balance = balance
+        stage_names = [[n for u in global_units[a:b] for n, _ in u.named_parameter_shapes()]
+                       for a, b in self.bounds]
+        self.shard_size = self.hook.shard_group(self.dp_size)
+        # -- communicators (collective from here on) ------------------------------------------
+        self._owned_comms: list[Any] = []
+        self._make_mesh(comm)
+        self.shard_rank = self.dp_rank % self.shard_size
+        self.shard_comm = self.comm
+        if self.shard_size != self.dp_size:
+            self.shard_comm = self.comm.Split(self.dp_rank // self.shard_size, self.shard_rank)
+            self._owned_comms.append(self.shard_comm)
+        # -- this rank's units --------------------------------------------------------------------
+        self.local_module = module
+        partitions: dict[str, Any] = {}
+        if self.tp_size > 1:
+            from mpidist.nn.tensor_parallel import TensorParallelGPT, tp_partitions
+
+            self.local_module = TensorParallelGPT(module.config, comm=self.tp_comm)
+            names = set(stage_names[self.stage])
+            partitions = {n: v for n, v in tp_partitions(self.local_module).items()
+                          if n in names}
+        a, b = self.bounds[self.stage]
+        self.units = units_of(self.local_module)[a:b]
+        self.placement = Placement(
+            [u.named_parameter_shapes() for u in self.units],
+            global_units=[u.named_parameter_shapes() for u in global_units],
+            stage_names=stage_names, stage=self.stage, partitions=partitions,
+            tp_rank=self.tp_rank, level=self.level, **self._layout_group())
+        self.layout = self.placement.layout
+        self._users = self._tensor_users()
+        self.memory: dict[str, int] = {"parameters": 0, "gradients": 0, "working_peak": 0}
+        self._working = 0
+        self._sync_enabled = True
+        self._loss_cache: tuple[Any, Any] | None = None
+        self.last_pipeline_stats: Any = None
+        self._allocate()
+        if initialize:
+            self._initialize()
+        self._bind()
+        self._norm_mask = self.placement.norm_mask(self.dtype) if self._is_3d else None
+        self.hook.bind(self, self.pieces)
+
+    # -- construction -------------------------------------------------------------------------
+    def _check(self, global_units: list[Any]) -> None:
+        """Pure checks of the model against the mesh, level and hook."""
+        names = [n for u in global_units for n, _ in u.named_parameter_shapes()]
+        if len(set(names)) != len(names):
+            raise ValueError("a parameter is registered in two units")
+        whole = [n for n, _ in self.module.named_parameter_shapes()]
+        if sorted(whole) != sorted(names):
+            raise ValueError(f"parameters outside every unit: {sorted(set(whole) - set(names))}")
+        if self.tp_size > 1:
+            from mpidist.nn import GPT
+            from mpidist.nn.tensor_parallel import check_tensor_parallel_gpt
+
+            if not isinstance(self.module, GPT):
+                raise ValueError(
+                    f"tensor_parallel_size={self.tp_size} needs an mpidist.nn.GPT; got "
+                    f"{type(self.module).__name__}"
+                )
+            check_tensor_parallel_gpt(self.module.config, self.tp_size)
+        users: dict[str, int] = {}
+        for u in global_units:
+            for n in u.parameter_names(include_shared=True):
+                users[n] = users.get(n, 0) + 1
+        tied = sorted(n for n, k in users.items() if k > 1)
+        if tied and self.pp_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pp_size} with weights shared between units "
+                f"(tie_weights) is not supported: {tied}; use untied weights or pp=1"
+            )
+        if tied and self.level >= 2:
+            raise ValueError(
+                f"ZeRO-{self.level} shards parameters unit by unit and does not support "
+                f"parameters shared between units (tied weights): {tied}"
+            )
+        if self.level == 3 and not has_units(self.module):
+            raise ValueError(
+                f"ZeRO-3 needs a model made of units (a .units list of 2 or more); "
+                f"{type(self.module).__name__} has none"
+            )
+
+    def _make_mesh(self, comm: Any) -> None:
+        from mpidist.mesh import ProcessMesh
+
+        self._owns_mesh = self.config.mesh is None
+        self.mesh = self.config.mesh if self.config.mesh is not None else ProcessMesh(
+            comm, pp=self.pp_size, tp=self.tp_size, dp=self.dp_size)
+        self.comm = self.mesh.group("dp")
+        self.tp_comm = self.mesh.group("tp")
+        self.pp_comm = self.mesh.group("pp")
+        self.loss_comm = self.mesh.group(("pp", "dp"))
+        self.dp_rank = self.mesh.coords["dp"]
+        self.tp_rank = self.mesh.coords["tp"]
+        self.stage = self.mesh.coords["pp"]
+        self.dtype = self.config.np_dtype
+
+    def _layout_group(self) -> dict[str, int]:
+        """The group the stage's layout is padded and split over: the shard group; at level
+        0 (nothing sharded) the whole dp group, whose ranks share the writing of
+        checkpoints (and whose padding the flat buffers have always had)."""
+        if self.level == 0:
+            return {"n": self.dp_size, "rank": self.dp_rank}
+        return {"n": self.shard_size, "rank": self.shard_rank}
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica: which group of ``shard_size`` dp ranks it belongs to."""
+        return self.dp_rank // self.shard_size
+
+    @property
+    def _is_3d(self) -> bool:
+        return self.pp_size > 1 or self.tp_size > 1
+
+    def _tensor_users(self) -> dict[str, list[int]]:
+        users: dict[str, list[int]] = {}
+        for u, unit in enumerate(self.units):
+            for name in unit.parameter_names(include_shared=True):
+                users.setdefault(name, []).append(u)
+        return users
+
+    def _allocate(self) -> None:
+        lay, dt = self.layout, self.dtype
+        if self.level < 3:
+            self.params = np.zeros(lay.full_size, dtype=dt)
+        else:
+            self.param_shard = np.zeros(lay.local_size, dtype=dt)
+        self.memory["parameters"] = self.parameter_storage.nbytes
+        if self.level < 2:
+            self.grads = np.zeros(lay.full_size, dtype=dt)
+            self.memory["gradients"] = self.grads.nbytes
+            self.buckets = lay.buckets(self.config.bucket_bytes, dt.itemsize)
+            # A bucket is final once the lowest-indexed unit using any of its tensors has run
+            # backward (backward visits units from last to first).
+            final_after = {name: min(us) for name, us in self._users.items()}
+            self._bucket_unit = [min((final_after[n] for n in b.names), default=0)
+                                 for b in self.buckets]
+            self.pieces = self.buckets
+            self._pending: dict[int, Any] = {}
+        else:
+            self.grad_shard = np.zeros(lay.local_size, dtype=dt)
+            self.memory["gradients"] = self.grad_shard.nbytes
+            self.pieces = [Bucket(s.index, s.full_offset, s.full_offset + s.padded, s.names)
+                           for s in lay.units]
+            self._rs_pending: list[tuple[Any, np.ndarray, int]] = []
+
+    def _init_unit(self, u: int) -> np.ndarray:
+        """The unit's full padded initial values (made on every rank, identically)."""
+        buf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+        unit = self.units[u]
+        unit.bind(self.layout.unit_views(u, buf), None)
+        unit.init_parameters(self.seed)
+        unit.unbind()
+        return buf
+
+    def _initialize(self) -> None:
+        """Write the deterministic initial values into this rank's storage."""
+        if self.level <= 1:
+            views = self.layout.full_views(self.params)
+            if self._is_3d:
+                # Unit by unit through the stage's full views, so a unit reading a tied
+                # weight owned by another unit can be bound.
+                for unit in self.units:
+                    unit.bind(views, None)
+                    unit.init_parameters(self.seed)
+                    unit.unbind()
+            else:  # through the whole module: tied weights are visible to every unit
+                self.module.bind(views, None)
+                self.module.init_parameters(self.seed)
+                self.module.unbind()
+        elif self.level == 2:
+            for u in range(len(self.units)):
+                self.layout.unit_full(u, self.params)[:] = self._init_unit(u)
+        else:
+            r, lay = self.shard_rank, self.layout
+            for u, span in enumerate(lay.units):
+                lay.unit_local(u, self.param_shard)[:] = \
+                    self._init_unit(u)[r * span.shard:(r + 1) * span.shard]
+            return
+        # Replicas must start identical even if initialisation differed (it should not).
+        C.broadcast(self.params, 0, comm=self.comm)
+
+    def _bind(self) -> None:
+        """Bind the units to the storage that stays bound (none at level 3)."""
+        if self.level == 3:
+            return
+        pviews = self.layout.full_views(self.params)
+        gviews = self.layout.full_views(self.grads) if self.level < 2 else None
+        for unit in self.units:
+            unit.bind(pviews, gviews)
+
+    def _track(self, nbytes: int) -> None:
+        self._working += nbytes
+        self.memory["working_peak"] = max(self.memory["working_peak"], self._working)
+
+    def _untrack(self, nbytes: int) -> None:
+        self._working -= nbytes
+
+    # -- what the level shards ------------------------------------------------------------------
+    @property
+    def shards_state(self) -> bool:
+        """Whether the optimizer state covers only this rank's shard."""
+        return self.placement.shards_state
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether the parameters are stored as this rank's shard only (ZeRO-3)."""
+        return self.placement.shards_params
+
+    @property
+    def state_size(self) -> int:
+        """Length of the optimizer-state arrays on this rank."""
+        return self.placement.state_size
+
+    @property
+    def parameter_storage(self) -> np.ndarray:
+        """The flat array holding this rank's parameters (full layout, or local shard)."""
+        return self.param_shard if self.level == 3 else self.params
+
+    # -- gradient synchronisation ------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward accumulates gradients locally without synchronising them
+        (gradient accumulation); the first synchronised backward after it reduces the sum.
+        Levels 2-3 reduce-scatter every backward and ignore it."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context a training step runs a micro-batch in: synchronise on the last."""
+        return contextlib.nullcontext() if last else self.no_sync()
+
+    def zero_grad(self) -> None:
+        """Zero this rank's gradient storage. Not collective."""
+        (self.grads if self.level < 2 else self.grad_shard).fill(0)
+
+    def _start_bucket(self, i: int, *, blocking: bool = False) -> None:
+        if i not in self._pending:
+            b = self.buckets[i]
+            self._pending[i] = self.hook.start(i, self.grads[b.start:b.stop], blocking=blocking)
+
+    def _progress(self) -> None:
+        if self.level < 2:
+            for req in self._pending.values():
+                req.test()
+        else:
+            self._fold(wait=False)
+        self.hook.progress()
+
+    def sync_gradients(self) -> None:
+        """Start every bucket not yet started (levels 0-1; blocking for the synchronous
+        hooks: Open MPI's blocking collectives are tuned better than its nonblocking ones,
+        so without overlap there is nothing to gain from nonblocking calls). Collective
+        over the shard group."""
+        if self.level < 2:
+            for i in range(len(self.buckets)):
+                self._start_bucket(i, blocking=True)
+
+    def finish_gradient_sync(self) -> None:
+        """Complete every pending gradient reduction. Collective over the shard group."""
+        if self.level >= 2:
+            self._fold(wait=True)
+            return
+        if self.hook.exchanges_in_backward and self.hook.required():
+            self.sync_gradients()
+        C.wait_all(list(self._pending.values()))
+        self._pending.clear()
+
+    def _start_unit(self, u: int, gbuf: np.ndarray) -> None:
+        req = self.hook.start_scatter(u, gbuf)
+        self._rs_pending.append((req, gbuf, u))
+        self._track(self.layout.units[u].shard * self.dtype.itemsize)
+
+    def _fold(self, wait: bool, max_pending: int = 1) -> None:
+        """Fold finished unit reductions into the gradient shard; with ``wait``, all of
+        them. At most ``max_pending`` stay in flight (a working set of a few units)."""
+        keep = []
+        for i, (req, buf, u) in enumerate(self._rs_pending):
+            in_flight_after = len(self._rs_pending) - i - 1 + len(keep)
+            if wait or in_flight_after >= max_pending or req.test():
+                shard = req.wait()
+                self.layout.unit_local(u, self.grad_shard)[:] += shard
+                self._untrack(buf.nbytes + self.layout.units[u].shard * self.dtype.itemsize)
+            else:
+                keep.append((req, buf, u))
+        self._rs_pending = keep
+
+    # -- forward and backward ---------------------------------------------------------------
+    def _gather(self, u: int) -> Any:
+        buf = np.empty(self.layout.units[u].padded, dtype=self.dtype)
+        self._track(buf.nbytes)
+        return C.iallgather(self.layout.unit_local(u, self.param_shard), comm=self.shard_comm,
+                            out=buf)
+
+    def _release(self, u: int, buf: np.ndarray) -> None:
+        self.units[u].unbind()
+        self._untrack(buf.nbytes)
+
+    def forward(self, x: Any, ctx: Any = None) -> Any:
+        """Forward through this rank's units. Collective over the shard group at level 3
+        (each unit gathered just in time, the next one prefetched); not collective else."""
+        if self.level < 3:
+            h = x
+            for unit in self.units:
+                h = unit.forward(h, ctx)
+            return h
+        n, prefetch = len(self.units), self.config.prefetch
+        pending = self._gather(0)
+        h = x
+        for u in range(n):
+            buf = pending.wait()
+            if prefetch and u + 1 < n:
+                pending = self._gather(u + 1)
+            self.units[u].bind(self.layout.unit_views(u, buf), None)
+            h = self.units[u].forward(h, ctx)
+            self._release(u, buf)
+            del buf
+            if not prefetch and u + 1 < n:
+                pending = self._gather(u + 1)
+        return h
+
+    def backward(self, dy: Any, ctx: Any = None) -> Any:
+        """Backward through this rank's units, handing each finished gradient piece to the
+        hook; returns the input gradient of the first unit. Collective over the shard group
+        when gradients are synchronised (every rank runs the same number of backwards)."""
+        if self.level >= 2:
+            return self._backward_units(dy, ctx)
+        sync = self._sync_enabled and self.config.auto_sync_gradients \
+            and self.hook.exchanges_in_backward
+        overlap = sync and self.config.overlap and self.hook.required()
+        for u in range(len(self.units) - 1, -1, -1):
+            dy = self.units[u].backward(dy, ctx)
+            if overlap:
+                for i, after in enumerate(self._bucket_unit):
+                    if after == u:
+                        self._start_bucket(i)
+            self._progress()
+        if sync and not overlap and self.hook.required():
+            self.sync_gradients()
+        return dy
+
+    def _backward_units(self, dy: Any, ctx: Any) -> Any:
+        """Levels 2-3: each unit's gradients go to a working buffer handed to the hook as
+        soon as the unit is done (at level 3 the unit is gathered first)."""
+        n = len(self.units)
+        gathered = self.level == 3
+        prefetch = self.config.prefetch
+        pending = self._gather(n - 1) if gathered else None
+        for u in range(n - 1, -1, -1):
+            if pending is not None:
+                buf = pending.wait()
+                pending = None
+                if prefetch and u > 0:
+                    pending = self._gather(u - 1)
+                pviews = self.layout.unit_views(u, buf)
+            else:
+                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
+            gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+            self._track(gbuf.nbytes)
+            self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
+            dy = self.units[u].backward(dy, ctx)
+            if gathered:
+                self._release(u, buf)
+                del buf
+            else:
+                self.units[u].bind(pviews, None)
+            self._start_unit(u, gbuf)
+            self._progress()
+            if gathered and not prefetch and u > 0:
+                pending = self._gather(u - 1)
+        return dy
+
+    # -- the update ---------------------------------------------------------------------------
+    def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
+        """``(param, grad, state_slice)`` flat pieces the optimizer updates on this rank."""
+        lay = self.layout
+        if self.level == 0:
+            return [(self.params, self.grads, slice(0, lay.full_size))]
+        if self.level == 3:
+            return [(self.param_shard, self.grad_shard, slice(0, lay.local_size))]
+        out = []
+        for u, span in enumerate(lay.units):
+            p = lay.unit_shard_of_full(u, self.params)
+            g = lay.unit_shard_of_full(u, self.grads) if self.level == 1 \
+                else lay.unit_local(u, self.grad_shard)
+            out.append((p, g, slice(span.local_offset, span.local_offset + span.shard)))
+        return out
+
+    def after_update(self) -> None:
+        """Allgather every unit's updated shards (levels 1-2). Collective over the shard
+        group."""
+        if self.level in (1, 2):
+            self.placement.allgather_units(self.params, comm=self.shard_comm)
+
+    def _local_grad(self, u: int) -> np.ndarray:
+        """This rank's shard of unit u's synchronised gradients."""
+        if self.level >= 2:
+            return self.layout.unit_local(u, self.grad_shard)
+        return self.layout.unit_shard_of_full(u, self.grads)
+
+    def grad_sq_norm(self) -> float:
+        """Squared global L2 norm of the synchronised gradients: a tp-split tensor counts
+        each slice once, a tp-replicated one once, each dp shard once, summed over the
+        stages. Collective over the mesh (3D), the shard group (levels 2-3), or not."""
+        if self._is_3d:
+            total = 0.0
+            for u in range(len(self.layout.units)):
+                g = self._local_grad(u)
+                w = self.layout.unit_local(u, self._norm_mask)
+                total += float(np.dot(g * w, g))
+            buf = np.array([total])
+            C.allreduce(buf, "sum", comm=self.mesh.comm)
+            return float(buf[0])
+        if self.level < 2:  # synchronised gradients are whole on every rank
+            return float(np.dot(self.grads, self.grads))
+        total_ = np.array([float(np.dot(self.grad_shard, self.grad_shard))])
+        C.allreduce(total_, "sum", comm=self.shard_comm)
+        return float(total_[0])
+
+    # -- the pipeline's loss ------------------------------------------------------------------
+    def stage_loss(self, loss: Any) -> Any:
+        """The loss the last stage runs: with tp > 1 a :class:`CrossEntropyLoss` becomes the
+        vocab-parallel cross-entropy over tp (same value, vocabulary-sharded logits)."""
+        if self.tp_size == 1:
+            return loss
+        from mpidist.nn import CrossEntropyLoss
+        from mpidist.nn.tensor_parallel import VocabParallelCrossEntropy
+
+        if not isinstance(loss, CrossEntropyLoss):
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} needs CrossEntropyLoss (computed "
+                f"vocab-parallel); got {type(loss).__name__}"
+            )
+        if self._loss_cache is None or self._loss_cache[0] is not loss:
+            self._loss_cache = (loss, VocabParallelCrossEntropy(
+                self.tp_comm, self.local_module.config.vocab_size))
+        return self._loss_cache[1]
+
+    # -- whole tensors (state dicts, checkpoints, serialisation) ------------------------------
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the whole model with its global shape. Pure."""
+        return dict(self.placement.global_shapes)
+
+    @property
+    def global_layout(self) -> Any:
+        """The single-process layout of the whole model (what serialised bytes describe)."""
+        return self.placement.global_layout
+
+    def gather_state(self, local: np.ndarray) -> np.ndarray:
+        """A state array in the stage's full layout from this rank's. Collective over the
+        shard group when the state is sharded."""
+        return self.placement.gather(local, comm=self.shard_comm, sharded=self.shards_state)
+
+    def scatter_state(self, full: np.ndarray, local: np.ndarray) -> None:
+        """Copy this rank's part of a full-layout state array into ``local``. Not collective."""
+        self.placement.scatter(full, local, sharded=self.shards_state)
+
+    def _global(self, full: np.ndarray) -> dict[str, np.ndarray]:
+        return self.placement.global_tensors(full, tp_comm=self.tp_comm, pp_comm=self.pp_comm)
+
+    def full_parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter as a global array (copies). Collective over the mesh."""
+        full = self.params if self.level < 3 else self.placement.gather(
+            self.param_shard, comm=self.shard_comm)
+        return self._global(full)
+
+    def load_full_parameters(self, params: dict[str, np.ndarray]) -> None:
+        """Take this rank's part of global parameter arrays. Not collective."""
+        full = self.placement.local_full(params, self.dtype)
+        if self.level < 3:
+            self.params[...] = full
+        else:
+            self.placement.scatter(full, self.param_shard)
+
+    def state_tensors(self, local: np.ndarray) -> dict[str, np.ndarray]:
+        """A state array of this rank as whole named global tensors. Collective."""
+        return self._global(self.gather_state(local))
+
+    def load_state_tensors(self, tensors: dict[str, np.ndarray], local: np.ndarray) -> None:
+        """Fill this rank's state array from whole named tensors. Not collective."""
+        self.scatter_state(self.placement.local_full(tensors, local.dtype), local)
+
+    def checkpoint_pieces(self, state_buffers: dict[str, np.ndarray], *, for_writing: bool
+                          ) -> list[tuple[str, slice, np.ndarray]]:
+        """This rank's pieces of every checkpoint tensor (see
+        :meth:`Placement.checkpoint_pieces`; with several sharded replicas, replica 0
+        writes them). Not collective."""
+        if for_writing and self.level > 0 and self.replica > 0:
+            return []
+        return self.placement.checkpoint_pieces(self.parameter_storage, state_buffers,
+                                                for_writing=for_writing)
+
+    def tensor_pieces(self, array: np.ndarray, *, sharded: bool, owned: bool
+                      ) -> list[tuple[str, slice, np.ndarray]]:
+        """See :meth:`Placement.tensor_pieces`. Not collective."""
+        return self.placement.tensor_pieces(array, sharded=sharded, owned=owned)
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients, and the peak working set."""
+        return dict(self.memory)
+
+    def free(self) -> None:
+        """Free the communicators this model created. Collective over the mesh."""
+        self.hook.free()
+        for c in self._owned_comms:
+            c.Free()
+        self._owned_comms = []
+        if self._owns_mesh:
+            self.mesh.free()
+            self._owns_mesh = False
+
+    def __repr__(self) -> str:
+        a, b = self.bounds[self.stage]
+        return (f"{type(self).__name__}({type(self.module).__name__}, level={self.level}, "
+                f"hook={self.hook.name}, stage={self.stage} units[{a}:{b}], pp={self.pp_size}, "
+                f"dp={self.dp_size}, tp={self.tp_size}, dtype={self.dtype})")
