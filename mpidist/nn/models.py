@@ -231,6 +231,5 @@ class GPT(SequentialModel):
                     nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])
                 out = np.concatenate([out, nxt[:, None].astype(np.int64)], axis=1)
         finally:
-            for mod in self._iter_tree():
-                mod._cache.pop(ctx, None)
+            self.clear_cache(ctx, every=False)
         return out

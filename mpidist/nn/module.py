@@ -155,7 +155,7 @@ class Module:
         """
         names: list[str] = []
         seen: set[str] = set()
-        for mod in self._iter_tree():
+        for mod in self.modules():
             locals_ = list(mod._specs) + (list(mod._shared) if include_shared else [])
             for local in locals_:
                 full = mod.full_name(local)
@@ -168,10 +168,16 @@ class Module:
         """Number of scalar parameters owned by this tree."""
         return int(sum(int(np.prod(s)) for _, s in self.named_parameter_shapes()))
 
-    def _iter_tree(self) -> Iterator[Module]:
+    def modules(self) -> Iterator[Module]:
+        """This module and every descendant, depth first."""
         yield self
         for child in self._children.values():
-            yield from child._iter_tree()
+            yield from child.modules()
+
+    def own_parameter_specs(self) -> list[ParamSpec]:
+        """The specs (name, shape, kind, scale) of the parameters this module registered
+        itself (not its children's), in registration order."""
+        return list(self._specs.values())
 
     # -- binding ------------------------------------------------------------------------
     def bind(
@@ -191,7 +197,7 @@ class Module:
             grads = grads.views()
         # Validate everything first so a failed bind leaves the module unchanged.
         plan: list[tuple[Module, str, np.ndarray, np.ndarray | None]] = []
-        for mod in self._iter_tree():
+        for mod in self.modules():
             for local in list(mod._specs) + list(mod._shared):
                 full = mod.full_name(local)
                 shape = mod._shape_of(local)
@@ -214,7 +220,7 @@ class Module:
         forward and re-binds them for its backward, which still needs the activations. Use
         :meth:`clear_cache` to drop those too.
         """
-        for mod in self._iter_tree():
+        for mod in self.modules():
             for local in mod._params:
                 mod._params[local] = None
                 mod._grads[local] = None
@@ -222,7 +228,7 @@ class Module:
     @property
     def is_bound(self) -> bool:
         """Whether every parameter of the tree is bound."""
-        return all(p is not None for mod in self._iter_tree() for p in mod._params.values())
+        return all(p is not None for mod in self.modules() for p in mod._params.values())
 
     def _shape_of(self, local: str) -> tuple[int, ...]:
         if local in self._shared:
@@ -258,7 +264,7 @@ class Module:
         """``{full name: bound array}`` of the owned parameters of the tree."""
         return {
             f"{mod.prefix}{local}": mod.param(local)
-            for mod in self._iter_tree()
+            for mod in self.modules()
             for local in mod._specs
         }
 
@@ -266,14 +272,14 @@ class Module:
         """``{full name: bound gradient array}`` of the owned parameters of the tree."""
         return {
             f"{mod.prefix}{local}": mod.grad(local)
-            for mod in self._iter_tree()
+            for mod in self.modules()
             for local in mod._specs
         }
 
     @property
     def dtype(self) -> np.dtype:
         """Element type of the bound parameters (the first one found)."""
-        for mod in self._iter_tree():
+        for mod in self.modules():
             for local in mod._params:
                 return mod.param(local).dtype
         raise ValueError(f"{self.name} has no parameters, so no dtype")
@@ -284,7 +290,7 @@ class Module:
 
         Values depend only on ``(seed, full parameter name)`` and the declared recipe.
         """
-        for mod in self._iter_tree():
+        for mod in self.modules():
             for spec in mod._specs.values():
                 arr = mod.param(spec.name)
                 arr[...] = init_value(
@@ -311,14 +317,14 @@ class Module:
 
     def zero_grad(self) -> None:
         """Set every bound gradient array of the tree to zero."""
-        for mod in self._iter_tree():
+        for mod in self.modules():
             for g in mod._grads.values():
                 if g is not None:
                     g.fill(0)
 
     def train(self, mode: bool = True) -> Module:
         """Set training mode (dropout active) on the whole tree; returns ``self``."""
-        for mod in self._iter_tree():
+        for mod in self.modules():
             mod.__dict__["training"] = bool(mode)
         return self
 
@@ -326,10 +332,14 @@ class Module:
         """Set evaluation mode (dropout off) on the whole tree; returns ``self``."""
         return self.train(False)
 
-    def clear_cache(self) -> None:
-        """Forget every activation kept for backward (e.g. after an evaluation forward)."""
-        for mod in self._iter_tree():
-            mod._cache.clear()
+    def clear_cache(self, ctx: Hashable = None, *, every: bool = True) -> None:
+        """Forget the activations kept for backward: every context's (e.g. after an
+        evaluation forward), or only those of ``ctx`` with ``every=False``."""
+        for mod in self.modules():
+            if every:
+                mod._cache.clear()
+            else:
+                mod._cache.pop(ctx, None)
 
     # -- forward / backward -------------------------------------------------------------
     def forward(self, x: Any, ctx: Hashable = None) -> Any:

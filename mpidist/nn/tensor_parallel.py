@@ -168,9 +168,9 @@ class TensorParallelModule(Module):
             parts[name] = (part, full_shape)
 
     def init_parameters(self, seed: int = 0) -> None:
-        for mod in self._iter_tree():
+        for mod in self.modules():
             parts = mod.__dict__.get("_tp_parts", {})
-            for spec in mod._specs.values():
+            for spec in mod.own_parameter_specs():
                 arr = mod.param(spec.name)
                 name = f"{mod.prefix}{spec.name}"
                 if spec.name in parts:
@@ -190,7 +190,7 @@ class TensorParallelModule(Module):
 def tp_partitions(module: Module) -> dict[str, tuple[TPPartition, tuple[int, ...]]]:
     """``{full name: (partition, global shape)}`` of every tp-sharded parameter of the tree."""
     out: dict[str, tuple[TPPartition, tuple[int, ...]]] = {}
-    for mod in module._iter_tree():
+    for mod in module.modules():
         for local, entry in mod.__dict__.get("_tp_parts", {}).items():
             out[f"{mod.prefix}{local}"] = entry
     return out

@@ -379,7 +379,7 @@ def _apply_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str
                 mine[k] = tuple(v) if isinstance(mine[k], tuple) else v
     local = _local_optimizer(optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer._sync_groups(optimizer.param_groups, local.param_groups)
+        optimizer.sync_param_groups(optimizer.param_groups, local.param_groups)
     scalars = saved.get("scalars", {})
     for p, state in states.items():
         device = p.device

@@ -482,6 +482,11 @@ class Work(dist.Work):
         self.wait()
         return self._result
 
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        """The tensors the operation writes its result into (complete after a wait)."""
+        return self._result
+
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors. A pending operation is completed
         first, so waiting on the future (also from C++) never blocks forever."""

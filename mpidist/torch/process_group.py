@@ -265,7 +265,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def _end_coalescing(self, device: Any = None) -> Work:
         works, self._coalescing = self._coalescing or [], None
-        result = [t for w in works for t in w._result]
+        result = [t for w in works for t in w.outputs]
         return ops.CoalescedWork(works, result)
 
     # -- reductions ----------------------------------------------------------------------

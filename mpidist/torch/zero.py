@@ -121,14 +121,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # -- torch's interface -------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Update this rank's partition, then share the parameters. Collective over comm."""
-        self._sync_groups(self.param_groups, self.optim.param_groups)
+        self.sync_param_groups(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        self._sync_groups(self.optim.param_groups, self.param_groups)
+        self.sync_param_groups(self.optim.param_groups, self.param_groups)
         for layout in self._layouts:
             layout.allgather(self.comm)
         return loss
 
-    def _sync_groups(self, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    def sync_param_groups(self, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+        """Copy every hyperparameter (all but ``params``) of the groups ``src`` into the
+        groups ``dst`` (this wrapper's groups and the local optimizer's). Not collective."""
         for a, b in zip(src, dst, strict=True):
             for k, v in a.items():
                 if k != "params":
@@ -161,7 +163,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "optimizer state has not been consolidated on this rank; call "
                 f"consolidate_state_dict(to={self.rank}) on every rank first"
             )
-        self._sync_groups(self.optim.param_groups, self.param_groups)
+        self.sync_param_groups(self.optim.param_groups, self.param_groups)
         index = self._index()
         out = super().state_dict()
         out["state"] = {}
