@@ -7,22 +7,24 @@ from typing import Any
 from mpidist.optim import Optimizer, create
 from mpidist.parallel import STRATEGIES, ShardedModel, ShardedOptimizer, ShardingConfiguration
 from mpidist.parallel.engine import OptimizationResult
+from mpidist.parallel.registry import DATA_PARALLEL, DEFAULT_STRATEGY
 
 __all__ = ["Trainer", "make_optimizer"]
 
 
-def make_optimizer(strategy: str | type[ShardedOptimizer] = "ddp",
+def make_optimizer(strategy: str | type[ShardedOptimizer] = DEFAULT_STRATEGY,
                    optimizer: Optimizer | str | None = None,
                    config: ShardingConfiguration | None = None, *,
                    loss: Any = None, lr_schedule: Any = None) -> ShardedOptimizer:
-    """A strategy optimizer (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` or a
+    """A strategy optimizer (a data-parallel strategy's name from
+    :data:`~mpidist.parallel.registry.DATA_PARALLEL`, default the unsharded one, or a
     :class:`ShardedOptimizer` subclass) around a base optimizer (an ``mpidist.optim``
     instance, or a name such as ``"adamw"`` taking its defaults; default ``Adam()``).
     Not collective."""
     if isinstance(strategy, str):
-        cls = STRATEGIES.get(strategy.lower())
-        if cls is None:
-            raise ValueError(f"strategy={strategy!r} is not one of {sorted(STRATEGIES)}")
+        if strategy.lower() not in DATA_PARALLEL:
+            raise ValueError(f"strategy={strategy!r} is not one of {list(DATA_PARALLEL)}")
+        cls = STRATEGIES[strategy.lower()]
     elif isinstance(strategy, type) and issubclass(strategy, ShardedOptimizer):
         cls = strategy
     else:

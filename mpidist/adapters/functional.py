@@ -25,6 +25,7 @@ import numpy as np
 from mpidist.adapters.common import Trainer, make_optimizer
 from mpidist.buffers import FlatBuffer
 from mpidist.parallel import ShardedOptimizer, ShardingConfiguration
+from mpidist.parallel.registry import DEFAULT_STRATEGY
 
 __all__ = ["FunctionalLoss", "FunctionalModel", "FunctionalOptimizer"]
 
@@ -210,14 +211,16 @@ class FunctionalLoss:
 class FunctionalOptimizer(Trainer):
     """Train a :class:`FunctionalModel` with an mpidist strategy.
 
-    ``FunctionalOptimizer(model, strategy="ddp", optimizer=Adam(lr=1e-3), config=...)``;
+    ``FunctionalOptimizer(model, strategy=..., optimizer=Adam(lr=1e-3), config=...)``;
     ``step((inputs, targets)) -> global loss`` is collective over the data-parallel group
-    (every rank passes its slice of the global batch, equal sizes). ``strategy`` is
-    ``"ddp"``, ``"zero1"`` or ``"zero2"`` (a FunctionalModel is one unit, so ZeRO-3 does
-    not apply). Construction is collective: parameters are broadcast from dp rank 0.
+    (every rank passes its slice of the global batch, equal sizes). ``strategy`` is a
+    data-parallel strategy of sharding level 0, 1 or 2 (default: level 0, replicated; a
+    FunctionalModel is one unit, so level 3 does not apply). Construction is collective:
+    parameters are broadcast from dp rank 0.
     """
 
-    def __init__(self, model: FunctionalModel, strategy: str | type[ShardedOptimizer] = "ddp",
+    def __init__(self, model: FunctionalModel,
+                 strategy: str | type[ShardedOptimizer] = DEFAULT_STRATEGY,
                  optimizer: Any = None, config: ShardingConfiguration | None = None, *,
                  lr_schedule: Any = None) -> None:
         if not isinstance(model, FunctionalModel):

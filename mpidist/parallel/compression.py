@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.buffers import shard_size
 from mpidist.parallel.codecs import PowerSGDCodec, TopKCodec, decode16, encode16
 from mpidist.parallel.exchange import CountingComm, RequestChain, iallgather, iallreduce
 from mpidist.parallel.hooks import GradientHook, check_int
@@ -124,7 +125,7 @@ class Compression(GradientHook):
 
         n, r = self.model.shard_size, self.model.shard_rank
         m = g.size
-        c = -(-m // n)
+        c = shard_size(m, n)
         w = c + 1  # one slot for the chunk's scale exponent
         padded = np.zeros(n * c, dtype=g.dtype)
         padded[:m] = g

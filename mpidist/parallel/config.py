@@ -19,8 +19,10 @@ class ShardingConfiguration:
     """Settings shared by every strategy. Unknown fields are rejected with a ValueError.
 
     Attributes:
-        mesh: the :class:`~mpidist.mesh.ProcessMesh` to run on; None means a mesh over
-            ``MPI.COMM_WORLD`` with every rank data-parallel, built when a strategy starts.
+        mesh: the :class:`~mpidist.mesh.ProcessMesh` to run on; None: the strategy's entry
+            point (a ``...Optimizer`` or ``...Model`` constructor) builds one on the
+            communicator it is given as ``comm=``, and on ``MPI.COMM_WORLD`` when it is
+            given none — resolved there, never deeper.
         bucket_mb: gradient bucket size in MiB (DDP, ZeRO-1).
         overlap: start each bucket's nonblocking allreduce as soon as backward has
             filled it (else all buckets are reduced after backward).

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mpidist import collectives as C
+from mpidist.comms import world
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.parallel.config import ShardingConfiguration
@@ -104,8 +105,9 @@ class ShardedOptimizer(TrainingStateMixin):
         self.hook = hook if hook is not None else default_hook(self.level)
         self.schedule = check_schedule(schedule)
         self.balance = balance
-        #: the communicator a mesh is built on when ``config.mesh`` is None
-        self.build_comm = comm
+        #: the communicator a mesh is built on when ``config.mesh`` is None (resolved here,
+        #: at the entry point: nothing below reads MPI.COMM_WORLD)
+        self.build_comm = world(comm) if self.config.mesh is None else comm
         self.shape = resolve_mesh_shape(self.config, comm, pipeline_parallel_size,
                                         tensor_parallel_size, data_parallel_size)
         self.hook.check(self.level, self.shape.pp, self.shape.tp)

@@ -33,7 +33,7 @@ from mpidist.comms import world
 from mpidist.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
-from mpidist.parallel.pipeline import BALANCES, partition_units
+from mpidist.parallel.pipeline import BALANCES, cut_stages
 from mpidist.parallel.placement import Placement
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
@@ -129,16 +129,12 @@ class ShardedModel:
         self.hook.check(self.level, shape.pp, shape.tp)
         global_units = units_of(module)
         self._check(global_units)
-        self.bounds = partition_units(
-            [sum(int(np.prod(s)) for _, s in u.named_parameter_shapes()) for u in global_units],
-            self.pp_size, balance)
+        self.bounds, stage_names = cut_stages(global_units, self.pp_size, balance)
         self.balance = balance
-        stage_names = [[n for u in global_units[a:b] for n, _ in u.named_parameter_shapes()]
-                       for a, b in self.bounds]
         self.shard_size = self.hook.shard_group(self.dp_size)
         # -- communicators (collective from here on) ------------------------------------------
         self._owned_comms: list[Any] = []
-        self._make_mesh(comm)
+        self._make_mesh(world(comm) if self.config.mesh is None else comm)
         self.shard_rank = self.dp_rank % self.shard_size
         self.shard_comm = self.comm
         if self.shard_size != self.dp_size:

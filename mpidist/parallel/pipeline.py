@@ -92,6 +92,18 @@ def partition_units(weights: Sequence[int], pp: int, balance: str = "uniform"
     return out
 
 
+def cut_stages(units: Sequence[Any], pp: int, balance: str = "uniform"
+               ) -> tuple[list[tuple[int, int]], list[list[str]]]:
+    """Cut a model's ``units`` (modules with ``named_parameter_shapes()``) into ``pp``
+    pipeline stages: ``([(start, stop) per stage], [tensor names per stage])``. Pure;
+    ValueError (see :func:`partition_units`) when they cannot be cut so."""
+    shapes = [u.named_parameter_shapes() for u in units]
+    bounds = partition_units([sum(int(np.prod(s)) for _, s in sh) for sh in shapes], pp,
+                             balance)
+    names = [[n for sh in shapes[a:b] for n, _ in sh] for a, b in bounds]
+    return bounds, names
+
+
 def _balanced_sizes(w: list[int], pp: int) -> list[int]:
     # Linear partition by dynamic programming: best[k][i] = least possible max stage weight
     # of the first i units in k stages. n and pp are small (units of a model).

@@ -20,7 +20,7 @@ from typing import Any
 
 from mpidist.parallel.placement import LEVEL_NAMES
 
-__all__ = ["DATA_PARALLEL", "STRATEGIES", "Strategy", "register"]
+__all__ = ["DATA_PARALLEL", "DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "register"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ for _level, _help in enumerate((
 
 #: the strategies that are one sharding level with synchronous gradients
 DATA_PARALLEL = LEVEL_NAMES
+#: the strategy when none is named: level 0 (replicated, gradients allreduced)
+DEFAULT_STRATEGY = LEVEL_NAMES[0]
 
 
 @register("hybrid", "pipeline x data x tensor parallelism, ZeRO over dp",

@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from mpidist.optim import OPTIMIZERS
-from mpidist.parallel.registry import STRATEGIES
+from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
            "check_output_directory", "load_toml"]
@@ -32,7 +32,7 @@ class TrainConfig:
     """Every setting of a training run (the flags of ``mpidist train``)."""
 
     out: str = "runs/train"
-    strategy: str = "ddp"
+    strategy: str = DEFAULT_STRATEGY
     pp: int = 1
     tp: int = 1
     dp: int = -1
