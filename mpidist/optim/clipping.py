@@ -20,7 +20,7 @@ import numpy as np
 
 from mpidist import kernels
 
-__all__ = ["clip_scale", "global_norm"]
+__all__ = ["clip_coefficient", "clip_scale", "global_norm"]
 
 
 def _as_list(grad_shards: Any) -> list[Any]:
@@ -51,6 +51,14 @@ def global_norm(grad_shards: Any, *, comm: Any = None) -> float:
     return math.sqrt(ss)
 
 
+def clip_coefficient(max_norm: float, norm: float) -> float:
+    """``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_``), the one place
+    mpidist writes it; a NaN norm gives NaN rather than 1. Pure."""
+    scale = float(max_norm) / (float(norm) + 1e-6)
+    # Written as a test rather than min() so that a NaN norm propagates instead of giving 1.
+    return 1.0 if scale > 1.0 else scale
+
+
 def clip_scale(grad_shards: Any, max_norm: float, *, comm: Any = None) -> tuple[float, float]:
     """``(scale, total_norm)`` with ``scale = min(1, max_norm / (total_norm + 1e-6))``, the
     factor to pass as ``grad_scale`` (multiplied by the averaging factor, if any).
@@ -66,8 +74,4 @@ def clip_scale(grad_shards: Any, max_norm: float, *, comm: Any = None) -> tuple[
     ):
         raise ValueError(f"clip_scale: max_norm={max_norm!r} must be > 0")
     total = global_norm(grad_shards, comm=comm)
-    scale = float(max_norm) / (total + 1e-6)
-    # Written as a test rather than min() so that a NaN norm propagates instead of giving 1.
-    if scale > 1.0:
-        scale = 1.0
-    return scale, total
+    return clip_coefficient(max_norm, total), total

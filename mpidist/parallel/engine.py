@@ -28,6 +28,7 @@ from mpidist import collectives as C
 from mpidist.comms import world
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
+from mpidist.optim.clipping import clip_coefficient
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.loop import run_steps
@@ -333,7 +334,7 @@ class ShardedOptimizer(TrainingStateMixin):
         gradient of global norm ``norm``."""
         if self.config.max_grad_norm is None:
             return 1.0
-        return min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        return clip_coefficient(self.config.max_grad_norm, norm)
 
     def apply_update(self, scale: float) -> None:
         """One fused kernel update of every local piece with ``grad_scale=scale``."""

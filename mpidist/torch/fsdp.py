@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from mpidist import collectives as C
 from mpidist.buffers import row_range, shard_size
+from mpidist.optim.clipping import clip_coefficient
 from mpidist.torch._common import agree, broadcast_tensors, host_view, overlap, resolve_comm
 
 __all__ = ["FSDPModule", "ShardInfo", "fully_shard", "gathered_bytes"]
@@ -551,7 +552,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float,
         total = torch.tensor([local], dtype=torch.float64)
         C.allreduce(total.numpy(), "sum", comm=unit.comm)
         norm = total[0] ** (1.0 / norm_type)
-    coef = float(max_norm) / (float(norm) + 1e-6)
+    coef = clip_coefficient(max_norm, float(norm))
     if coef < 1.0:
         for g in grads:
             g.detach().mul_(coef)
