@@ -1,7 +1,8 @@
 """Elastic data parallelism: workers leave and join a running job at step boundaries.
 
-:class:`ElasticOptimizer` runs one of the data-parallel strategies (DDP, ZeRO-1/2/3) on a
-communicator whose membership may change between steps:
+:class:`ElasticOptimizer` runs a data-parallel strategy (a sharding level 0-3 with any
+gradient-communication hook), or a hybrid (pp, dp, tp) mesh whose dp size changes with pp and
+tp fixed, on a communicator whose membership may change between steps:
 
 * **Agreement.** :meth:`ElasticOptimizer.maybe_rescale` is called by every worker after each
   step. It is one ``Allreduce(MAX)`` of a small int vector (a leave flag per rank, the
@@ -15,19 +16,33 @@ communicator whose membership may change between steps:
   ``Merge`` with them; in the spawned processes :meth:`~ElasticOptimizer.wrap` notices the
   parent communicator and joins instead of initialising.
 * **Redistribution.** Parameters and optimizer state move from the old layout
-  ``ShardedLayout(units, n_old, r)`` to the new ``ShardedLayout(units, n_new, r')`` in
-  memory with one ``Alltoallv`` per flat buffer over the union of old and new workers; a
+  ``ShardedLayout(units, dp_old, d)`` to the new ``ShardedLayout(units, dp_new, d')`` in
+  memory with one ``Alltoallv`` per flat buffer over the union of old and new workers,
+  within each (stage, tp rank) column of the mesh (:mod:`mpidist.parallel.resize`); a
   replicated buffer (DDP state, ZeRO-1/2 parameters) is re-laid-out locally on the workers
-  that stay and sent to the joiners in pieces, one from each old worker. The strategy's
-  model is rebuilt on a new :class:`~mpidist.mesh.ProcessMesh` over the new communicator.
+  that stay in their column and sent to the others (joiners, workers whose column changed)
+  in pieces, one from each old worker of the column. The strategy's model is rebuilt on a
+  new :class:`~mpidist.mesh.ProcessMesh` (pp, dp, tp) over the new communicator.
+* **Hooks.** Before anything moves, :meth:`GradientHook.before_resize
+  <mpidist.parallel.hooks.GradientHook.before_resize>` makes the hook's state fit
+  (collective over the old workers): async SGD applies its in-flight gradients, Local SGD
+  averages its replicas (parameters and optimizer state), and per-rank state that cannot be
+  split (compression's error-feedback residuals, PowerSGD's warm starts) restarts from zero,
+  the event recording the norm dropped. Then the old model is freed (the communicators the
+  hook made for it with it), and the rebuilt model binds the hook anew.
 
-The global batch never changes (each worker's local batch is its slice of it, ``global / n``
-samples, one more on the first ``global % n`` workers), so by the world-size
-invariance of every strategy the trajectory after a change is the uninterrupted one.
+The global batch never changes (each dp index's local batch is its slice of it, ``global /
+dp`` samples, one more on the first ``global % dp`` indices), so by the world-size
+invariance of every synchronous strategy the trajectory after a change is the uninterrupted
+one. With a hook that keeps per-rank state it is the trajectory of a run whose state is
+made fit as above at the resize step (async: flushed; Local SGD: averaged; compression:
+residuals reset).
 
-A change that would leave fewer than ``min_workers`` or more than ``max_workers`` is refused
-(logged, an event, training goes on). Crashes (a worker killed) end the whole Open MPI job;
-:mod:`mpidist.launch.supervisor` restarts it from the last checkpoint.
+A change that would leave fewer than ``min_workers`` or more than ``max_workers``, a number
+of workers that is not a multiple of pp*tp, or a dp size the hook cannot run on (Local SGD's
+replicas must divide it) is refused (logged, an event, training goes on). Crashes (a worker
+killed) end the whole Open MPI job; :mod:`mpidist.launch.supervisor` restarts it from the
+last checkpoint.
 
 Events (``leave``, ``join``, ``resize``, ``refused``) go to the log and, when ``events`` is
 a path, are appended to that JSON-lines file by rank 0 of the new communicator.
@@ -42,24 +57,32 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mpidist.buffers import padded_length
 from mpidist.comms import bcast_json, in_place, mpi, world
+from mpidist.mesh import MeshShape
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.engine import ShardedOptimizer
+from mpidist.parallel.hooks import GradientHook, check_int
 from mpidist.parallel.model import ShardedModel
 from mpidist.parallel.placement import LEVEL_NAMES, Placement
+from mpidist.parallel.resize import (
+    ResizeDecision,
+    column_of,
+    decide,
+    membership,
+    transfer_plan,
+)
 
 __all__ = [
     "ElasticOptimizer",
     "ResizeDecision",
     "decide",
     "maybe_rescale",
+    "membership",
     "transfer_plan",
 ]
 
@@ -67,129 +90,10 @@ log = logging.getLogger("mpidist.elastic")
 
 
 
-# -- pure arithmetic: the decision and the transfer plan -----------------------------------
-@dataclass(frozen=True)
-class ResizeDecision:
-    """What the workers agreed on at a step boundary (identical on every worker)."""
-
-    n_old: int
-    leavers: tuple[int, ...]
-    joins: int
-    refused: str | None = None
-
-    @property
-    def n_new(self) -> int:
-        return self.n_old - len(self.leavers) + self.joins
-
-    @property
-    def changes(self) -> bool:
-        return self.refused is None and (bool(self.leavers) or self.joins > 0)
-
-    @property
-    def kind(self) -> str:
-        if self.leavers and self.joins:
-            return "resize"
-        return "leave" if self.leavers else "join"
-
-
-def decide(vector: Sequence[int], n_old: int, min_workers: int, max_workers: int
-           ) -> ResizeDecision:
-    """The membership change encoded in the reduced request vector. Pure.
-
-    ``vector[:n_old]`` are leave flags by rank; ``vector[n_old]`` is the largest requested
-    world size (0: none). A requested size below the size after the leaves turns into
-    leaves of the highest ranks; above, into joins. A result outside
-    ``[min_workers, max_workers]`` is refused as a whole, with the reason.
-    """
-    flags = [r for r in range(n_old) if vector[r]]
-    target = int(vector[n_old])
-    after_leaves = n_old - len(flags)
-    joins = 0
-    leavers = list(flags)
-    if target > 0:
-        if target > after_leaves:
-            joins = target - after_leaves
-        elif target < after_leaves:
-            stay = [r for r in range(n_old) if r not in flags]
-            leavers = sorted(flags + stay[target:])
-    d = ResizeDecision(n_old, tuple(leavers), joins)
-    if not d.changes:
-        return d
-    n_new = d.n_new
-    if n_new < min_workers:
-        why = (f"refused: the change {n_old} -> {n_new} workers (leaving ranks "
-               f"{list(leavers)}) would go below min_workers={min_workers}")
-        return ResizeDecision(n_old, tuple(leavers), joins, refused=why)
-    if n_new > max_workers:
-        why = (f"refused: the change {n_old} -> {n_new} workers would go above "
-               f"max_workers={max_workers}")
-        return ResizeDecision(n_old, tuple(leavers), joins, refused=why)
-    return d
-
-
-def membership(d: ResizeDecision) -> tuple[list[int], list[int]]:
-    """``(old_ranks, new_ranks)`` of every member of the union communicator (old workers
-    first, then joiners), -1 where a member has no rank. Pure."""
-    left = set(d.leavers)
-    old = list(range(d.n_old)) + [-1] * d.joins
-    new, nxt = [], 0
-    for i in range(d.n_old + d.joins):
-        if i < d.n_old and i in left:
-            new.append(-1)
-        else:
-            new.append(nxt)
-            nxt += 1
-    return old, new
-
-
-def _owned(numel: int, n: int, r: int) -> tuple[int, int]:
-    s = padded_length(numel, n) // n
-    return min(r * s, numel), min((r + 1) * s, numel)
-
-
-Plan = list[list[tuple[int, int, int]]]  # per peer: (unit, start, stop) in unit elements
-
-
-def transfer_plan(numels: Sequence[int], n_old: int, n_new: int, old_ranks: Sequence[int],
-                  new_ranks: Sequence[int], me: int, *, sharded: bool) -> tuple[Plan, Plan]:
-    """What member ``me`` of the union sends to and receives from every member. Pure.
-
-    Ranges are in each unit's unpadded element index. A sharded buffer: the old owner of
-    an element sends it to its new owner. A replicated buffer: members that stay keep
-    theirs (re-laid-out locally); each joiner gets every element from its old owner, so
-    the old workers share the sending evenly.
-    """
-    size = len(old_ranks)
-
-    def have(i: int, numel: int) -> tuple[int, int] | None:
-        return None if old_ranks[i] < 0 else _owned(numel, n_old, old_ranks[i])
-
-    def need(j: int, numel: int) -> tuple[int, int] | None:
-        if new_ranks[j] < 0:
-            return None
-        if sharded:
-            return _owned(numel, n_new, new_ranks[j])
-        return (0, numel) if old_ranks[j] < 0 else None
-
-    def inter(i: int, j: int) -> list[tuple[int, int, int]]:
-        out = []
-        for u, numel in enumerate(numels):
-            h, w = have(i, numel), need(j, numel)
-            if h is None or w is None:
-                continue
-            a, b = max(h[0], w[0]), min(h[1], w[1])
-            if a < b:
-                out.append((u, a, b))
-        return out
-
-    sends = [inter(me, j) for j in range(size)]
-    recvs = [inter(i, me) for i in range(size)]
-    return sends, recvs
-
-
 # -- the optimizer ------------------------------------------------------------------------
 class ElasticOptimizer(ShardedOptimizer):
-    """A data-parallel strategy whose workers may leave and join between steps.
+    """A data-parallel strategy (any level and hook), or a hybrid (pp, dp, tp) one whose dp
+    size changes, whose workers may leave and join between steps.
 
     Args:
         base: the optimizer from :mod:`mpidist.optim` (its fused kernel updates the shards).
@@ -199,6 +103,12 @@ class ElasticOptimizer(ShardedOptimizer):
         strategy: the strategy run at every size: a data-parallel strategy's name
             (one of :data:`~mpidist.parallel.placement.LEVEL_NAMES`);
         zero_stage: or its sharding level, 0-3 (when given, ``strategy`` is not read).
+        hook: the gradient communication (:mod:`mpidist.parallel.hooks`, compression...;
+            default: the level's synchronous one). Joiners make their own from the same
+            program; it must be laid out over the whole dp group (Local SGD: level 0).
+        pipeline_parallel_size, tensor_parallel_size: a hybrid mesh: pp and tp stay fixed,
+            dp is the number of workers over pp*tp, which must stay a whole number.
+        schedule, balance: the pipeline's, as for :class:`ShardedOptimizer`.
         comm: the communicator of the initial workers (default ``MPI.COMM_WORLD``; it is
             duplicated). Ignored in a spawned joiner.
         loss, lr_schedule: as for :class:`ShardedOptimizer`.
@@ -231,8 +141,10 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
                  min_workers: int = 1, max_workers: int = 1024, *, strategy: str = "ddp",
-                 zero_stage: int | None = None, comm: Any = None, loss: Any = None,
-                 lr_schedule: Any = None,
+                 zero_stage: int | None = None, hook: GradientHook | None = None,
+                 pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
+                 loss: Any = None, lr_schedule: Any = None,
                  events: str | Callable[[dict[str, Any]], None] | None = None,
                  spawn_command: str | None = None, spawn_args: Sequence[str] | None = None,
                  handle_sigterm: bool = True) -> None:
@@ -248,8 +160,15 @@ class ElasticOptimizer(ShardedOptimizer):
         config = config if config is not None else ShardingConfiguration()
         if config.mesh is not None:
             raise ValueError("ElasticOptimizer makes its own meshes; give a config with mesh=None")
-        super().__init__(base, config, level=zero_stage, loss=loss, lr_schedule=lr_schedule,
+        pp = check_int("ElasticOptimizer", "pipeline_parallel_size", pipeline_parallel_size, 1)
+        tp = check_int("ElasticOptimizer", "tensor_parallel_size", tensor_parallel_size, 1)
+        # The sizes of the first mesh are checked in wrap(): a joiner's own world (the
+        # processes spawned together) need not be a multiple of pp*tp.
+        super().__init__(base, config, level=zero_stage, hook=hook, loss=loss,
+                         lr_schedule=lr_schedule, schedule=schedule, balance=balance,
                          comm=comm)
+        self.hook.check(self.level, pp, tp)
+        self.shape = MeshShape(pp, 1, tp)
         self.min_workers, self.max_workers = int(min_workers), int(max_workers)
         self.inner_strategy = super().strategy
         self.events = events
@@ -362,20 +281,48 @@ class ElasticOptimizer(ShardedOptimizer):
         if not self.min_workers <= n <= self.max_workers:
             raise ValueError(f"{n} workers is outside [min_workers={self.min_workers}, "
                              f"max_workers={self.max_workers}]")
+        why = self._size_refusal(n)
+        if why is not None:
+            raise ValueError(why.removeprefix("refused: "))
         self._comm = comm.Dup()
-        self._mesh = ProcessMesh(self._comm)
+        self._mesh = ProcessMesh(self._comm, pp=self.shape.pp, tp=self.shape.tp)
         model = self._build_model(module, seed=seed,
                                   config=self.config.replace(mesh=self._mesh))
         self.attach(model)
+        self.shape = self._mesh.shape
         return model
+
+    def _size_refusal(self, n: int) -> str | None:
+        """Why ``n`` workers cannot run this strategy (None: they can). Pure; the same on
+        every worker. A hook whose state is laid out over groups smaller than dp at a
+        sharding level (Local SGD's replicas at levels 1-3) cannot be resized at all:
+        ValueError."""
+        pp, tp = self.shape.pp, self.shape.tp
+        if n % (pp * tp):
+            return (f"refused: {n} workers is not a multiple of pipeline_parallel_size={pp} x "
+                    f"tensor_parallel_size={tp} = {pp * tp}")
+        dp = n // (pp * tp)
+        try:
+            group = self.hook.shard_group(dp)
+        except ValueError as e:
+            return f"refused: {n} workers ({dp} data-parallel ranks): {e}"
+        if self.level > 0 and group != dp:
+            raise ValueError(
+                f"elastic resizing moves shards laid out over the whole data-parallel group; "
+                f"{self.hook.name!r} at level {self.level} shards over groups of {group} of "
+                f"the {dp} ranks: use level 0"
+            )
+        return None
 
     def _rebuild(self, comm: Any) -> ShardedModel:
         """The model on a new membership, without initial values (the state is about to
         be moved in, so computing them would be wasted work). Collective over ``comm``."""
         from mpidist.mesh import ProcessMesh
 
+        mesh = ProcessMesh(comm, pp=self.shape.pp, tp=self.shape.tp)
+        self.shape = mesh.shape
         return self._build_model(self._module, seed=self._seed, initialize=False,
-                                 config=self.config.replace(mesh=ProcessMesh(comm)))
+                                 config=self.config.replace(mesh=mesh))
 
     # -- the step boundary --------------------------------------------------------------
     def maybe_rescale(self, model: ShardedModel | None = None) -> ShardedModel | None:
@@ -393,7 +340,12 @@ class ElasticOptimizer(ShardedOptimizer):
         vec[n] = self._target
         comm.Allreduce(in_place(), vec, op=mpi().MAX)
         self._target = 0
-        d = decide(vec.tolist(), n, self.min_workers, self.max_workers)
+        d = decide(vec.tolist(), n, self.min_workers, self.max_workers, pp=self.shape.pp,
+                   tp=self.shape.tp)
+        if d.changes:
+            why = self._size_refusal(d.n_new)
+            if why is not None:
+                d = ResizeDecision(d.n_old, d.leavers, d.joins, refused=why)
         if d.refused is not None:
             self._leave = False
             self._event("refused", d, world_size=n, reason=d.refused)
@@ -406,7 +358,8 @@ class ElasticOptimizer(ShardedOptimizer):
         self._require_model()
         return {
             "strategy": self.inner_strategy,
-            "numels": [s.numel for s in self.model.layout.units],
+            "mesh": [self.shape.pp, self.shape.tp],
+            "shapes": {n: list(s) for n, s in self.model.tensor_shapes().items()},
             "step": int(self.state.step),
             "steps_taken": int(self.step_count),
             "data": None if self.sampler is None else self.sampler.state_dict(),
@@ -415,11 +368,16 @@ class ElasticOptimizer(ShardedOptimizer):
         }
 
     def _rescale(self, d: ResizeDecision) -> ShardedModel | None:
+        """Carry out ``d``. Collective over the old workers, and with the joiners."""
         t0 = time.perf_counter()
         MPI = mpi()
-        old_comm, old_mesh, old_model = self._comm, self._mesh, self.model
+        old_comm, old_mesh = self._comm, self._mesh
         old_model = self._require_model()
         me_old = old_comm.Get_rank()
+        # The hook's state made fit for the new workers, then the old model's communicators
+        # (the hook's with them) freed: the rebuilt model binds the hook anew.
+        hook_fields = self.hook.before_resize(self)
+        old_model.free()
         timing: dict[str, float] = {}
         if d.joins:
             inter = old_comm.Spawn(self.spawn_command, self.spawn_args, maxprocs=d.joins,
@@ -432,29 +390,18 @@ class ElasticOptimizer(ShardedOptimizer):
             union = old_comm
         t1 = time.perf_counter()
         timing["spawn"] = t1 - t0
-        old_ranks, new_ranks = membership(d)
+        _, new_ranks = membership(d)
         me = union.Get_rank()
         staying = new_ranks[me] >= 0
         new_comm = union.Split(0 if staying else MPI.UNDEFINED, new_ranks[me] if staying else 0)
         new_model = self._rebuild(new_comm) if staying else None
         new_state = self.base.init_state(new_model.state_size, dtype=new_model.dtype) \
             if new_model is not None else None
-        numels = [s.numel for s in old_model.layout.units]
         t2 = time.perf_counter()
         timing["rebuild"] = t2 - t1
-        for hook in self._phase_hooks:
-            hook("redistribute", me_old)
-        moved = _move(union, numels, d, old_ranks, new_ranks, me,
-                      old_model.placement, old_model.parameter_storage,
-                      new_model.placement if new_model else None,
-                      new_model.parameter_storage if new_model else None,
-                      sharded=old_model.shards_params)
-        for key in sorted(self.state.buffers):
-            moved += _move(union, numels, d, old_ranks, new_ranks, me,
-                           old_model.placement, self.state.buffers[key],
-                           new_model.placement if new_model else None,
-                           new_state.buffers[key] if new_state else None,
-                           sharded=old_model.shards_state)
+        for phase_hook in self._phase_hooks:
+            phase_hook("redistribute", me_old)
+        moved = _move_all(union, d, me, (old_model, self.state), (new_model, new_state))
         t3 = time.perf_counter()
         timing["redistribute"] = t3 - t2
         step = self.state.step
@@ -476,14 +423,21 @@ class ElasticOptimizer(ShardedOptimizer):
         if new_model is None or new_state is None:
             raise RuntimeError("elastic resize: a staying worker built no model")
         new_state.step = step
-        self._comm, self._mesh = new_comm, new_model.mesh
-        self.model, self.state = new_model, new_state
-        self._bind_pieces()
+        self._install(new_comm, new_model, new_state)
         self._event(d.kind, d, world_size=d.n_new, seconds=timing["total"],
-                    left=list(d.leavers), joined=d.joins)
+                    left=list(d.leavers), joined=d.joins, hook=self.hook.name, **hook_fields)
         return new_model
 
+    def _install(self, comm: Any, model: ShardedModel, state: Any) -> None:
+        """Train on ``model`` (bound to this optimizer's hook) from now on."""
+        self._comm, self._mesh = comm, model.mesh
+        self.model, self.state = model, state
+        self.hook = model.hook
+        self.hook.opt = self
+        self._bind_pieces()
+
     def _join(self, module: Any) -> ShardedModel:
+        """Join a running job (see :meth:`wrap`). Collective with the current workers."""
         MPI = mpi()
         t0 = time.perf_counter()
         parent = MPI.Comm.Get_parent()
@@ -493,32 +447,30 @@ class ElasticOptimizer(ShardedOptimizer):
         if meta["strategy"] != self.inner_strategy:
             raise ValueError(f"joining a {meta['strategy']!r} job with strategy="
                              f"{self.inner_strategy!r}")
+        mesh = [self.shape.pp, self.shape.tp]
+        if list(meta["mesh"]) != mesh:
+            raise ValueError(f"joining a job with (pp, tp)={tuple(meta['mesh'])} as "
+                             f"(pp, tp)={tuple(mesh)}")
         me = union.Get_rank()
         size = union.Get_size()
         # The old workers precede the joiners in the union; the leaves, if any, are not
         # known here, so the old workers sent them too (see _metadata / membership).
         n_old = int(meta["n_old"])
         d = ResizeDecision(n_old, tuple(meta["leavers"]), size - n_old)
-        old_ranks, new_ranks = membership(d)
+        _, new_ranks = membership(d)
         new_comm = union.Split(0, new_ranks[me])
         model = self._rebuild(new_comm)
-        numels = [s.numel for s in model.layout.units]
-        if numels != list(meta["numels"]):
-            raise ValueError(f"the joining model's units have {numels} elements, the job's "
-                             f"{meta['numels']}: not the same model")
+        shapes = {n: list(s) for n, s in model.tensor_shapes().items()}
+        if shapes != meta["shapes"]:
+            raise ValueError(f"the joining model's tensors {shapes} differ from the job's "
+                             f"{meta['shapes']}: not the same model")
         state = self.base.init_state(model.state_size, dtype=model.dtype)
         if sorted(state.buffers) != list(meta["state_keys"]):
             raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the job's "
                              f"{meta['state_keys']}: not the same optimizer")
-        _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.placement,
-              model.parameter_storage, sharded=model.shards_params)
-        for key in sorted(state.buffers):
-            _move(union, numels, d, old_ranks, new_ranks, me, None, None, model.placement,
-                  state.buffers[key], sharded=model.shards_state)
+        _move_all(union, d, me, None, (model, state))
         union.Free()
-        self._comm, self._mesh = new_comm, model.mesh
-        self.model, self.state = model, state
-        self._bind_pieces()
+        self._install(new_comm, model, state)
         self.restore_position(int(meta["step"]), int(meta["steps_taken"]), meta["data"])
         log.warning("[worker %d] joined the job at step %d (%d workers) in %.3f s",
                     new_comm.Get_rank(), self.step_count, d.n_new, time.perf_counter() - t0)
@@ -543,7 +495,10 @@ class ElasticOptimizer(ShardedOptimizer):
                 f.write(json.dumps(row) + "\n")
 
     def free(self) -> None:
-        """Free the communicators the elastic optimizer made. Collective over :attr:`comm`."""
+        """Free the communicators the elastic optimizer made, and the model's (the hook's
+        with them). Collective over :attr:`comm`."""
+        if self.model is not None:
+            self.model.free()
         if self._mesh is not None:
             self._mesh.free()
             self._mesh = None
@@ -565,35 +520,66 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 
 
 # -- MPI helpers ---------------------------------------------------------------------------
-def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int],
-          new_ranks: list[int], me: int, src_place: Placement | None,
-          src: np.ndarray | None, dst_place: Placement | None, dst: np.ndarray | None,
-          *, sharded: bool) -> int:
-    """Move one flat buffer from the old layout to the new one. Collective over ``union``.
+Held = tuple[ShardedModel | None, Any] | None  # (model, optimizer state) on one side, or None
 
-    ``src`` is None on a joiner, ``dst`` None on a leaver. One ``Alltoallv``. Returns the
-    bytes this member sent to others.
+
+def _move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held) -> int:
+    """Move the parameters and every optimizer-state buffer from the old workers' models to
+    the new ones. ``old`` is None on a joiner, ``new`` (or its model) None on a leaver.
+    Collective over ``union``. Returns the bytes this member sent to others."""
+    old_model, old_state = old if old is not None else (None, None)
+    new_model, new_state = new if new is not None else (None, None)
+    model = old_model if old_model is not None else new_model
+    if model is None:
+        raise RuntimeError("elastic resize: a member with neither an old nor a new model")
+    state = old_state if old_state is not None else new_state
+    pp, tp = model.pp_size, model.tp_size
+    src = None if old_model is None else (old_model.placement, old_model.parameter_storage)
+    dst = None if new_model is None else (new_model.placement, new_model.parameter_storage)
+    moved = _move(union, d, me, src, dst, sharded=model.shards_params, pp=pp, tp=tp)
+    for key in sorted(state.buffers):
+        src = None if old_model is None else (old_model.placement, old_state.buffers[key])
+        dst = None if new_model is None else (new_model.placement, new_state.buffers[key])
+        moved += _move(union, d, me, src, dst, sharded=model.shards_state, pp=pp, tp=tp)
+    return moved
+
+
+def _move(union: Any, d: ResizeDecision, me: int, src: tuple[Placement, np.ndarray] | None,
+          dst: tuple[Placement, np.ndarray] | None, *, sharded: bool, pp: int = 1,
+          tp: int = 1) -> int:
+    """Move one flat buffer from the old layout to the new one, within each (stage, tp)
+    column of the mesh. Collective over ``union``.
+
+    ``src`` (the old placement and buffer) is None on a joiner, ``dst`` on a leaver. One
+    ``Alltoallv``. Returns the bytes this member sent to others.
     """
-    n_new = d.n_new
-    sends, recvs = transfer_plan(numels, d.n_old, n_new, old_ranks, new_ranks, me,
-                                 sharded=sharded)
-    dtype = (src if src is not None else dst).dtype  # type: ignore[union-attr]
-    if not sharded and src is not None and dst is not None:
-        # A replicated buffer on a worker that stays: re-lay-out locally (padding moves).
-        if src_place is None or dst_place is None:
-            raise RuntimeError("elastic resize: a staying worker lacks a placement")
-        for u, numel in enumerate(numels):
-            a = src_place.unit_offset(u, 0, sharded=False)
-            b = dst_place.unit_offset(u, 0, sharded=False)
-            dst[b:b + numel] = src[a:a + numel]
+    old_ranks, new_ranks = membership(d)
+    numels: dict[int, list[int]] = {}
+    old_col = new_col = -1
+    if src is not None:
+        old_col = column_of(old_ranks[me], d.n_old, pp, tp)[0]
+        numels[old_col] = [s.numel for s in src[0].layout.units]
+    if dst is not None:
+        new_col = column_of(new_ranks[me], d.n_new, pp, tp)[0]
+        numels[new_col] = [s.numel for s in dst[0].layout.units]
+    sends, recvs = transfer_plan(numels, d.n_old, d.n_new, old_ranks, new_ranks, me,
+                                 sharded=sharded, pp=pp, tp=tp)
+    dtype = (src if src is not None else dst)[1].dtype  # type: ignore[index]
+    if not sharded and src is not None and dst is not None and old_col == new_col:
+        # A replicated buffer on a worker that stays in its column: re-lay-out locally
+        # (padding moves).
+        for u, numel in enumerate(numels[old_col]):
+            a = src[0].unit_offset(u, 0, sharded=False)
+            b = dst[0].unit_offset(u, 0, sharded=False)
+            dst[1][b:b + numel] = src[1][a:a + numel]
     pieces = []
     scounts = np.zeros(len(sends), dtype=np.int64)
     for j, plan in enumerate(sends):
         for u, a, b in plan:
-            if src_place is None or src is None:
+            if src is None:
                 raise RuntimeError("elastic resize: sending from a worker with no old shard")
-            o = src_place.unit_offset(u, a, sharded=sharded)
-            pieces.append(src[o:o + b - a])
+            o = src[0].unit_offset(u, a, sharded=sharded)
+            pieces.append(src[1][o:o + b - a])
             scounts[j] += b - a
     sendbuf = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
     rcounts = np.array([sum(b - a for _, a, b in plan) for plan in recvs], dtype=np.int64)
@@ -605,9 +591,9 @@ def _move(union: Any, numels: list[int], d: ResizeDecision, old_ranks: list[int]
     pos = 0
     for plan in recvs:
         for u, a, b in plan:
-            if dst_place is None or dst is None:
+            if dst is None:
                 raise RuntimeError("elastic resize: receiving on a worker with no new shard")
-            o = dst_place.unit_offset(u, a, sharded=sharded)
-            dst[o:o + b - a] = recvbuf[pos:pos + b - a]
+            o = dst[0].unit_offset(u, a, sharded=sharded)
+            dst[1][o:o + b - a] = recvbuf[pos:pos + b - a]
             pos += b - a
     return int((scounts.sum() - scounts[me]) * np.dtype(dtype).itemsize)

@@ -229,6 +229,25 @@ class GradientHook(RankState):
     def bytes_sent(self) -> int:
         return 0 if self.meter is None else int(self.meter.bytes)
 
+    def before_resize(self, opt: Any) -> dict[str, Any]:
+        """Make the hook's state fit for an elastic resize, which rebuilds the model on
+        other workers and binds this hook to it anew. Called on every old worker before
+        the parameters and optimizer state move; returns fields for the resize event.
+        Collective over the dp group (of the old workers).
+
+        By default the per-rank state (:meth:`rank_state_arrays`: compression's
+        error-feedback residuals and PowerSGD's warm starts) cannot be split over another
+        number of ranks: it restarts from zero with the new binding, and the event records
+        the global L2 norm of what was dropped (``reset_state_norm``). Hooks without such
+        state do nothing.
+        """
+        arrays = self.rank_state_arrays()
+        if not arrays or self.model is None:
+            return {}
+        sq = np.array([float(sum(np.dot(a.reshape(-1), a.reshape(-1)) for a in arrays))])
+        C.allreduce(sq, "sum", comm=self.model.comm)
+        return {"reset_state": self.state_kind, "reset_state_norm": float(np.sqrt(sq[0]))}
+
     def free(self) -> None:
         """Free what :meth:`bind` created. Collective over the shard group."""
 
@@ -395,6 +414,18 @@ class LocalSGD(GradientHook):
         self.dense_bytes += sum(b.nbytes for b in bufs)
         self.averages += 1
 
+    def before_resize(self, opt: Any) -> dict[str, Any]:
+        """Average the replicas, parameters and optimizer state (even without
+        ``average_optimizer_state``), weighted by their shares of the last global batch,
+        so that every worker, joiners included, continues from the same model and state;
+        the period's phase (``step_count % period``) carries on. Collective over dp."""
+        keep, self.average_optimizer_state = self.average_optimizer_state, True
+        try:
+            self.average_replicas(opt)
+        finally:
+            self.average_optimizer_state = keep
+        return {"replicas_averaged": self.model.dp_size // self.group}
+
     def rank_state_arrays(self) -> list[np.ndarray]:
         """This replica's parameters and optimizer state: between averages they differ
         from replica to replica, so a checkpoint keeps every rank's to resume exactly."""
@@ -505,6 +536,15 @@ class AsyncSGD(GradientHook):
         """Wait for and apply every in-flight gradient, oldest first. Collective over dp."""
         while self.inflight:
             self._apply_oldest(opt)
+
+    def before_resize(self, opt: Any) -> dict[str, Any]:
+        """:meth:`flush` (the in-flight gradients are applied at the resize, as when a
+        checkpoint is taken) and drop the spare buffers, whose size is the old model's.
+        Collective over dp."""
+        flushed = len(self.inflight)
+        self.flush(opt)
+        self._pool = []
+        return {"flushed": flushed}
 
     def state_dict(self, opt: Any, state_dict: Any) -> dict[str, Any]:
         """:meth:`flush`, then the state dict: it holds every gradient. Collective."""

@@ -2,6 +2,10 @@
 
     elastic_worker.py --strategy S --steps N --out DIR [--min A --max B]
         [--actions "STEP:ACTION,..."] [--checkpoint-interval I] [--resume]
+        [--hook none|topk:RATIO|localsgd:PERIOD|async:STALENESS] [--pp P] [--fixed]
+
+``--pp P`` runs a hybrid mesh (P pipeline stages, dp = workers / P); ``--fixed`` runs the
+same strategy with a plain :class:`ShardedOptimizer` (no membership changes, no actions).
 
 Actions run after the step with that number, on the worker of the current rank named:
 ``leave@R`` (request_leave), ``sigterm@R`` (SIGTERM to itself), ``scale=N`` (rank 0 asks for
@@ -24,7 +28,11 @@ from mpidist.data import GlobalBatchSampler, synthetic_regression
 from mpidist.nn import MLP, MSELoss
 from mpidist.optim import AdamW
 from mpidist.parallel import ShardingConfiguration
+from mpidist.parallel.compression import Compression
 from mpidist.parallel.elastic import ElasticOptimizer
+from mpidist.parallel.engine import ShardedOptimizer
+from mpidist.parallel.hooks import AsyncSGD, GradientHook, LocalSGD
+from mpidist.parallel.placement import LEVEL_NAMES
 
 GLOBAL_BATCH = 12
 SIZES = [7, 13, 11, 3]
@@ -36,6 +44,19 @@ def make_data():
 
 def make_base():
     return AdamW(lr=0.01, weight_decay=0.1)
+
+
+def make_hook(text: str) -> GradientHook | None:
+    kind, _, arg = text.partition(":")
+    if kind == "topk":
+        return Compression("topk", ratio=float(arg))
+    if kind == "localsgd":
+        return LocalSGD(int(arg))
+    if kind == "async":
+        return AsyncSGD(int(arg))
+    if kind not in ("", "none"):
+        raise ValueError(f"--hook {text!r}")
+    return None
 
 
 def parse_actions(text: str) -> dict[int, list[str]]:
@@ -90,14 +111,21 @@ def main() -> int:
     p.add_argument("--actions", default="")
     p.add_argument("--checkpoint-interval", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--hook", default="none")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--fixed", action="store_true")
     args = p.parse_args()
     actions = parse_actions(args.actions)
 
     data = make_data()
+    config = ShardingConfiguration(dtype="float64", micro_batches=2 if args.pp > 1 else 1)
+    if args.fixed:
+        return run_fixed(args, data, config)
     joiner = ElasticOptimizer.is_joiner()
-    opt = ElasticOptimizer(make_base(), ShardingConfiguration(dtype="float64"),
-                           min_workers=args.min, max_workers=args.max, strategy=args.strategy,
-                           loss=MSELoss(), events=os.path.join(args.out, "events.jsonl"))
+    opt = ElasticOptimizer(make_base(), config, min_workers=args.min, max_workers=args.max,
+                           strategy=args.strategy, hook=make_hook(args.hook),
+                           pipeline_parallel_size=args.pp, loss=MSELoss(),
+                           events=os.path.join(args.out, "events.jsonl"))
     fault = os.environ.get(FAULT_ENV, "")
     if fault and os.environ.get("MPIDIST_RESTART", "0") in ("", "0"):
         opt.on_phase(lambda phase, rank: die(fault, phase, rank))
@@ -125,13 +153,35 @@ def main() -> int:
         model = opt.maybe_rescale(model)
         if model is None:
             return 0  # this worker left
-    params = model.full_parameters()
-    rank = opt.comm.Get_rank()
-    if rank == 0:
-        np.savez(os.path.join(args.out, "final.npz"), **params)
-        with open(os.path.join(args.out, "losses.json"), "w") as f:
-            json.dump({"losses": losses, "workers": opt.current_workers}, f)
+    write_results(args.out, model, losses, opt.comm.Get_rank(), opt.current_workers)
     opt.free()
+    return 0
+
+
+def write_results(out: str, model, losses: dict[int, float], rank: int, workers: int) -> None:
+    params = model.full_parameters()
+    if rank == 0:
+        np.savez(os.path.join(out, "final.npz"), **params)
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "workers": workers}, f)
+
+
+def run_fixed(args: argparse.Namespace, data, config: ShardingConfiguration) -> int:
+    """The same strategy without elasticity: the uninterrupted run to compare with."""
+    from mpi4py import MPI
+
+    opt = ShardedOptimizer(make_base(), config, level=LEVEL_NAMES.index(args.strategy),
+                           hook=make_hook(args.hook), pipeline_parallel_size=args.pp,
+                           loss=MSELoss())
+    model = opt.wrap(MLP(SIZES), seed=0)
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=0)
+    losses = {}
+    while opt.step_count < args.steps:
+        idx = sampler.next_local(model.dp_rank, model.dp_size)
+        loss = opt.step(model, data.batch(idx))
+        losses[opt.step_count] = loss
+    write_results(args.out, model, losses, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    model.free()
     return 0
 
 

@@ -27,6 +27,7 @@ from mpidist.parallel.elastic import (
     transfer_plan,
 )
 from mpidist.parallel.placement import Placement
+from mpidist.parallel.resize import column_of
 
 UNITS = [[("a", (3, 5)), ("b", (7,))], [("c", (11,))], [("d", (2, 2)), ("e", (1,))]]
 
@@ -55,57 +56,72 @@ def test_decide():
     assert not d.changes and "above max_workers=3" in d.refused
 
 
-def _simulate(d: ResizeDecision, sharded: bool) -> None:
-    """Run the plan of every member by direct copies; compare with the new layouts."""
+#: the units of each pipeline stage when the simulated mesh has pp=2
+STAGES = [UNITS[:2], UNITS[2:]]
+
+
+def _simulate(d: ResizeDecision, sharded: bool, pp: int = 1, tp: int = 1) -> None:
+    """Run the plan of every member by direct copies; compare with the new layouts.
+
+    With pp=2 the stages hold different units; every (stage, tp rank) column holds its own
+    values (tp ranks hold different slices of the same shapes), so an element sent to the
+    wrong column is caught."""
     rng = np.random.default_rng(0)
     old_ranks, new_ranks = membership(d)
     size = len(old_ranks)
-    names = [[n for u in UNITS for n, _ in u]]
+    stages = STAGES if pp == 2 else [UNITS]
+    names = [[n for u in st for n, _ in u] for st in stages]
 
-    def place(n: int, r: int) -> Placement:
-        return Placement(UNITS, global_units=UNITS, stage_names=names, level=1, n=n, rank=r)
+    def place(n: int, r: int) -> tuple[int, Placement]:
+        col, dp_index = column_of(r, n, pp, tp)
+        stage = col // tp
+        return col, Placement(stages[stage], global_units=UNITS, stage_names=names,
+                              stage=stage, level=1, n=n // (pp * tp), rank=dp_index)
 
     olds = {i: place(d.n_old, r) for i, r in enumerate(old_ranks) if r >= 0}
     news = {i: place(d.n_new, r) for i, r in enumerate(new_ranks) if r >= 0}
-    any_old = next(iter(olds.values())).layout
-    numels = [u.numel for u in any_old.units]
-    truth = [rng.standard_normal(n) for n in numels]
+    numels = {c: [u.numel for u in p.layout.units] for c, p in [*olds.values(), *news.values()]}
+    truth = {c: [rng.standard_normal(n) for n in ns] for c, ns in numels.items()}
 
-    def make(place):
+    def make(col: int, place: Placement) -> np.ndarray:
         layout = place.layout
         full = np.zeros(layout.full_size)
-        for u, n in enumerate(numels):
-            full[layout.units[u].full_offset:layout.units[u].full_offset + n] = truth[u]
+        for u, n in enumerate(numels[col]):
+            full[layout.units[u].full_offset:layout.units[u].full_offset + n] = truth[col][u]
         if not sharded:
             return full
         local = np.zeros(layout.local_size)
-        for u in range(len(numels)):
+        for u in range(len(numels[col])):
             layout.unit_local(u, local)[:] = layout.unit_shard_of_full(u, full)
         return local
 
-    src = {i: make(lay) for i, lay in olds.items()}
+    src = {i: make(*cp) for i, cp in olds.items()}
     dst = {i: np.full(p.layout.full_size if not sharded else p.layout.local_size, np.nan)
-           for i, p in news.items()}
+           for i, (_, p) in news.items()}
     for i in news:  # padding stays zero
-        want = make(news[i])
+        want = make(*news[i])
         dst[i][want == 0] = 0.0
-    plans = [transfer_plan(numels, d.n_old, d.n_new, old_ranks, new_ranks, me, sharded=sharded)
-             for me in range(size)]
-    if not sharded:
+    plans = [transfer_plan(numels, d.n_old, d.n_new, old_ranks, new_ranks, me,
+                           sharded=sharded, pp=pp, tp=tp) for me in range(size)]
+    if not sharded:  # what _move does locally: only in a column the worker stays in
         for i in set(olds) & set(news):
-            for u, n in enumerate(numels):
-                a = olds[i].unit_offset(u, 0, sharded=False)
-                b = news[i].unit_offset(u, 0, sharded=False)
+            if olds[i][0] != news[i][0]:
+                continue
+            for u, n in enumerate(numels[olds[i][0]]):
+                a = olds[i][1].unit_offset(u, 0, sharded=False)
+                b = news[i][1].unit_offset(u, 0, sharded=False)
                 dst[i][b:b + n] = src[i][a:a + n]
     for i in range(size):
         for j in range(size):
             assert plans[i][0][j] == plans[j][1][i]  # what i sends is what j expects
+            if plans[i][0][j]:
+                assert olds[i][0] == news[j][0]  # only within a column
             for u, a, b in plans[i][0][j]:
-                so = olds[i].unit_offset(u, a, sharded=sharded)
-                do = news[j].unit_offset(u, a, sharded=sharded)
+                so = olds[i][1].unit_offset(u, a, sharded=sharded)
+                do = news[j][1].unit_offset(u, a, sharded=sharded)
                 dst[j][do:do + b - a] = src[i][so:so + b - a]
-    for i, lay in news.items():
-        np.testing.assert_array_equal(dst[i], make(lay))
+    for i, cp in news.items():
+        np.testing.assert_array_equal(dst[i], make(*cp))
 
 
 @pytest.mark.parametrize("sharded", [True, False])
@@ -114,6 +130,46 @@ def test_transfer_plan_moves_every_element(sharded):
              (1, (), 3), (3, (2,), 1), (4, (0, 1, 2), 0)]
     for n_old, leavers, joins in cases:
         _simulate(ResizeDecision(n_old, leavers, joins), sharded)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2), (2, 2)])
+def test_hybrid_transfer_plan_moves_every_column(sharded, pp, tp):
+    # dp 1 -> 2 -> 3 -> 1 by joins and leaves, leaves from any column, and a leave + join
+    g = pp * tp
+    cases = [(g, (), g), (2 * g, (), g), (3 * g, tuple(range(1, 3 * g, 3))[:2 * g], 0),
+             (2 * g, (0,), 1), (2 * g, tuple(range(g)), g), (3 * g, (), 0)]
+    for n_old, leavers, joins in cases:
+        d = ResizeDecision(n_old, leavers, joins)
+        if d.changes:
+            assert d.n_new % g == 0
+            _simulate(d, sharded, pp, tp)
+
+
+def test_hybrid_column_changes():
+    # pp=2: 2 -> 4 workers; old rank 1 (stage 1) becomes new rank 1 (stage 0, dp 1)
+    assert [column_of(r, 2, 2, 1) for r in range(2)] == [(0, 0), (1, 0)]
+    assert [column_of(r, 4, 2, 1) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [column_of(r, 4, 1, 2) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    d = ResizeDecision(2, (), 2)
+    old, new = membership(d)
+    numels = {0: [5, 3], 1: [4]}
+    sends, recvs = transfer_plan(numels, 2, 4, old, new, 1, sharded=False, pp=2)
+    assert sends == [[], [], [(0, 0, 4)], [(0, 0, 4)]]  # stage 1 to the joiners
+    assert recvs == [[(0, 0, 5), (1, 0, 3)], [], [], []]  # its new stage 0 from rank 0
+    with pytest.raises(ValueError, match="rank=3 of world_size=3"):
+        column_of(3, 3, 1, 1)
+
+
+def test_decide_hybrid_refuses_partial_groups():
+    d = decide(_vec(4, leave=[1]), 4, 1, 8, pp=2)
+    assert not d.changes and "multiple of pipeline_parallel_size=2" in d.refused
+    d = decide(_vec(2, target=4), 2, 1, 8, pp=2)
+    assert (d.n_new, d.joins, d.refused) == (4, 2, None)
+    d = decide(_vec(4, target=2), 4, 1, 8, tp=2)
+    assert (d.leavers, d.refused) == ((2, 3), None)
+    d = decide(_vec(4, target=6), 4, 1, 8, pp=2, tp=2)
+    assert "x tensor_parallel_size=2 = 4" in d.refused
 
 
 def test_replicated_joiners_get_pieces_from_every_old_worker():
