@@ -1,15 +1,20 @@
-"""Megatron-style tensor parallelism: the four mappings, the parallel layers, and a TP GPT.
+"""Megatron-style tensor parallelism: the four mappings, the parallel layers, and
+:func:`parallelize`, which applies a per-layer plan (:mod:`mpidist.nn.tp_plan`) to a model.
 
 A tensor-parallel group of size T (``comm``, normally ``mesh.group("tp")``) splits each big
-matrix of a transformer over its ranks:
+matrix of a model over its ranks:
 
 * :class:`ColumnParallelLinear` splits the output features (weight columns, the bias);
 * :class:`RowParallelLinear` splits the input features (weight rows) and sums the partial
   outputs with one allreduce; its bias is replicated and added after the sum;
 * :class:`VocabParallelEmbedding` and :class:`VocabParallelLMHead` split the vocabulary;
   :class:`VocabParallelCrossEntropy` computes the loss from vocabulary-sharded logits;
-* attention splits its heads (q, k and v columns of the local heads; the output projection
-  is row parallel) and the MLP is column → row parallel.
+* attention runs its local heads (the ``"heads"`` style): q, k and v columns of those heads
+  column parallel, the output projection row parallel; an MLP is column → row parallel.
+
+:func:`parallelize` builds the tensor-parallel form of a single-process model from a plan
+(``{"blocks.*.attn.qkv": ColwiseParallel(groups=3), "blocks.*.mlp.fc": "colwise", ...}``);
+:func:`TensorParallelGPT` is ``parallelize(GPT(config), GPT_PLAN, comm=comm)``.
 
 Communication happens only in the four mappings (design idea 8), each one class with its
 forward and backward side by side:
@@ -35,6 +40,8 @@ call, so the layers equal the single-process ones.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -42,41 +49,46 @@ import numpy as np
 
 from mpidist import collectives as C
 
-from .attention import causal_attention, causal_attention_backward, residual_scale
-from .blas import add_transposed_product
-from .init import init_value
-from .layers import (
-    GELU,
-    Dropout,
-    Embedding,
-    LayerNorm,
-    ModuleList,
-    check_features,
-    float_input,
-    matmul_rows,
-)
-from .models import GPTConfig, GPTEmbedding
+from .init import fan_in_bound, init_value
+from .layers import GELU, Embedding, Linear, ReLU, Tanh, matmul_rows
+from .models import GPT, GPTConfig
 from .module import Module
+from .tp_plan import (
+    GPT_PLAN,
+    ColwiseParallel,
+    HeadParallel,
+    Plan,
+    RowwiseParallel,
+    Style,
+    VocabParallel,
+    check_plan,
+    default_plan,
+)
 
 __all__ = [
+    "GPT_PLAN",
     "ColumnParallelLinear",
+    "ColwiseParallel",
     "CopyToTensorParallel",
     "GatherFromTensorParallel",
+    "HeadParallel",
+    "Plan",
     "ReduceFromTensorParallel",
     "RowParallelLinear",
+    "RowwiseParallel",
     "ScatterToTensorParallel",
-    "TPBlock",
-    "TPCausalSelfAttention",
-    "TPFeedForward",
-    "TPGPTEmbedding",
-    "TPGPTHead",
+    "Style",
     "TPPartition",
     "TensorParallelGPT",
     "TensorParallelModule",
+    "VocabParallel",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
+    "check_plan",
     "check_tensor_parallel_gpt",
+    "default_plan",
+    "parallelize",
     "tp_partition",
     "tp_partitions",
 ]
@@ -155,36 +167,36 @@ class TensorParallelModule(Module):
     parameters are initialised as usual.
     """
 
-    def register_tp_parameter(self, name: str, full_shape: tuple[int, ...],
-                              part: TPPartition | None, kind: str = "normal",
-                              scale: float = 0.02) -> None:
-        """Declare parameter ``name`` whose global shape is ``full_shape``; with ``part`` the
-        rank holds that slice (local shape ``part.local_shape(full_shape)``)."""
+    def split_parameter(self, name: str, full_shape: tuple[int, ...],
+                        part: TPPartition) -> None:
+        """Declare this module's registered parameter ``name`` the ``part`` slice of a global
+        tensor of ``full_shape`` (its registered shape is ``part.local_shape(full_shape)``)."""
         full_shape = tuple(int(s) for s in full_shape)
-        shape = full_shape if part is None else part.local_shape(full_shape)
-        self.register_parameter(name, shape, kind, scale)
-        if part is not None:
-            parts = self.__dict__.setdefault("_tp_parts", {})
-            parts[name] = (part, full_shape)
+        parts = self.__dict__.setdefault("_tp_parts", {})
+        parts[name] = (part, full_shape)
 
     def init_parameters(self, seed: int = 0) -> None:
         for mod in self.modules():
             parts = mod.__dict__.get("_tp_parts", {})
             for spec in mod.own_parameter_specs():
                 arr = mod.param(spec.name)
-                name = f"{mod.prefix}{spec.name}"
-                if spec.name in parts:
-                    part, full_shape = parts[spec.name]
-                    full = init_value(name, full_shape, seed, spec.kind, arr.dtype,
-                                      scale=spec.scale)
-                    arr[...] = part.take(full)
-                else:
-                    arr[...] = init_value(name, spec.shape, seed, spec.kind, arr.dtype,
-                                          scale=spec.scale)
+                part, full_shape = parts.get(spec.name, (None, spec.shape))
+                full = init_value(f"{mod.prefix}{spec.name}", full_shape, seed, spec.kind,
+                                  arr.dtype, scale=spec.scale)
+                arr[...] = full if part is None else part.take(full)
 
     def tp_partition(self, name: str) -> TPPartition | None:
         """This rank's slice of parameter ``name`` (full dotted name), or None if replicated."""
         return tp_partition(self, name)
+
+    def loss(self) -> VocabParallelCrossEntropy:
+        """The cross-entropy of this tree's vocabulary-sharded logits (those of its
+        :class:`VocabParallelLMHead`); ValueError when it has none. Not collective."""
+        heads = [m for m in self.modules() if isinstance(m, VocabParallelLMHead)]
+        if not heads:
+            raise ValueError(f"{type(self).__name__} has no vocab-parallel head: its output is "
+                             "not vocabulary-sharded, so any ordinary loss applies")
+        return VocabParallelCrossEntropy(heads[-1].comm, heads[-1].vocab_size)
 
 
 def tp_partitions(module: Module) -> dict[str, tuple[TPPartition, tuple[int, ...]]]:
@@ -280,105 +292,123 @@ class ScatterToTensorParallel(_Mapping):
 
 
 # -- parallel layers ------------------------------------------------------------------------
-class ColumnParallelLinear(TensorParallelModule):
-    """``y = x @ weight + bias`` with the output features split over tp.
+_ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
 
-    The global weight is ``(in_features, out_features)`` (the :class:`~mpidist.nn.Linear`
-    layout); rank r holds its columns (``groups > 1``: its columns of each of ``groups``
-    equal blocks, e.g. q|k|v) and its bias entries. The input passes through
-    :class:`CopyToTensorParallel`; with ``gather_output`` the output is allgathered, else
-    each rank returns its slice of the output features.
+
+def _activation(name: str | None) -> Module | None:
+    if name is not None and name not in _ACTIVATIONS:
+        raise ValueError(f"activation={name!r} is not one of {sorted(_ACTIVATIONS)}")
+    return None if name is None else _ACTIVATIONS[name]()
+
+
+def _no_deferred_bias(layer: Linear, add_bias: bool, more: bool) -> None:
+    if not add_bias and more:
+        raise ValueError(f"{layer.name}: add_bias=False leaves the bias to the caller, which "
+                         "cannot add it before this layer's activation or gather")
+
+
+class ColumnParallelLinear(Linear, TensorParallelModule):
+    """``y = act(x @ weight + bias)`` with the output features split over tp.
+
+    The global weight is ``(in_features, full_out_features)`` (the :class:`Linear` layout);
+    rank r holds its columns (``groups > 1``: its columns of each of ``groups`` equal blocks,
+    e.g. q|k|v) and its bias entries, so as a :class:`Linear` (``forward(add_bias=,
+    keep_input=)``, ``input_grad``, ``accumulate_grad``) this rank's ``out_features`` is its
+    slice. The input passes through :class:`CopyToTensorParallel` (``input_grad`` sums the
+    input gradient over tp); ``activation`` (a :class:`Dense`'s) is applied to the slice;
+    with ``gather_output`` the output is allgathered, else each rank returns its slice.
+    ``init``/``scale`` are the single-process layer's (the uniform default uses the global
+    fan-in).
     """
 
     def __init__(self, in_features: int, out_features: int, *, comm: Any, bias: bool = True,
-                 gather_output: bool = False, groups: int = 1, scale: float = 0.02) -> None:
-        super().__init__()
+                 gather_output: bool = False, groups: int = 1, init: str = "normal",
+                 scale: float | None = None, activation: str | None = None) -> None:
         size, rank = _group(comm)
-        self.in_features, self.out_features = int(in_features), int(out_features)
         if out_features % (groups * size):
             raise ValueError(f"tp={size} does not divide out_features={out_features}"
                              + (f" / {groups} blocks" if groups > 1 else ""))
         lo, hi = _split(out_features // groups, size, rank, "out_features per block")
-        self.local_out = (hi - lo) * groups
-        self.has_bias = bool(bias)
+        if scale is None:
+            scale = 0.02 if init == "normal" else fan_in_bound(in_features)
+        super().__init__(in_features, (hi - lo) * groups, bias, init=init, scale=scale)
+        self.full_out_features = int(out_features)
         self.copy_in = CopyToTensorParallel(comm)
+        self.act = _activation(activation)
         self.gather = GatherFromTensorParallel(comm) if gather_output else None
-        self.register_tp_parameter("weight", (self.in_features, self.out_features),
-                                   TPPartition(1, lo, hi, groups), "normal", scale)
+        self.split_parameter("weight", (self.in_features, out_features),
+                             TPPartition(1, lo, hi, groups))
         if self.has_bias:
-            self.register_tp_parameter("bias", (self.out_features,),
-                                       TPPartition(0, lo, hi, groups), "zeros", 0.0)
+            self.split_parameter("bias", (out_features,), TPPartition(0, lo, hi, groups))
 
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        w = self.param("weight")
-        x = float_input(x, w.dtype, self.name)
-        check_features(x, self.in_features, self.name)
-        x = self.copy_in.forward(x, ctx)
-        y = matmul_rows(x, w)
-        if self.has_bias:
-            y += self.param("bias")
-        self._save(ctx, x)
+    def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True,
+                keep_input: bool = True) -> np.ndarray:
+        _no_deferred_bias(self, add_bias, self.act is not None or self.gather is not None)
+        y = super().forward(self.copy_in.forward(x, ctx), ctx, add_bias=add_bias,
+                            keep_input=keep_input)
+        if self.act is not None:
+            y = self.act.forward(y, ctx)
         return y if self.gather is None else self.gather.forward(y, ctx)
 
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+    def backward(self, dy: np.ndarray, ctx: Hashable = None, *,
+                 bias_grad: bool = True) -> np.ndarray:
         if self.gather is not None:
             dy = self.gather.backward(dy, ctx)
-        x = self._take(ctx)
-        w = self.param("weight")
-        x2 = x.reshape(-1, self.in_features)
-        dy2 = dy.reshape(-1, self.local_out)
-        add_transposed_product(self.grad("weight"), x2, dy2)
-        if self.has_bias:
-            self.grad("bias")[...] += dy2.sum(axis=0)
-        return self.copy_in.backward(matmul_rows(dy, w.T), ctx)
+        if self.act is not None:
+            dy = self.act.backward(dy, ctx)
+        return super().backward(dy, ctx, bias_grad=bias_grad)
+
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        """The whole input's gradient: this rank's part summed over tp (collective)."""
+        return self.copy_in.backward(super().input_grad(dy))
 
 
-class RowParallelLinear(TensorParallelModule):
-    """``y = x @ weight + bias`` with the input features split over tp.
+class RowParallelLinear(Linear, TensorParallelModule):
+    """``y = act(x @ weight + bias)`` with the input features split over tp.
 
-    Rank r holds its rows of the global ``(in_features, out_features)`` weight; partial
-    products are summed by :class:`ReduceFromTensorParallel` and the (replicated) bias is
-    added after the sum, so its gradient is the same on every tp rank. With
+    Rank r holds its rows of the global ``(full_in_features, out_features)`` weight (as a
+    :class:`Linear`, this rank's ``in_features`` is its slice); partial products are summed
+    by :class:`ReduceFromTensorParallel`, then the (replicated) bias is added and
+    ``activation`` applied, so the bias gradient is the same on every tp rank. With
     ``input_is_parallel=False`` the full input is split first (:class:`ScatterToTensorParallel`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, comm: Any, bias: bool = True,
-                 input_is_parallel: bool = True, scale: float = 0.02) -> None:
-        super().__init__()
+                 input_is_parallel: bool = True, init: str = "normal",
+                 scale: float | None = None, activation: str | None = None) -> None:
         size, rank = _group(comm)
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        lo, hi = _split(self.in_features, size, rank, "in_features")
-        self.local_in = hi - lo
-        self.has_bias = bool(bias)
+        lo, hi = _split(in_features, size, rank, "in_features")
+        if scale is None:
+            scale = 0.02 if init == "normal" else fan_in_bound(in_features)
+        super().__init__(hi - lo, out_features, bias, init=init, scale=scale)
+        self.full_in_features = int(in_features)
         self.scatter = None if input_is_parallel else ScatterToTensorParallel(comm)
         self.reduce_out = ReduceFromTensorParallel(comm)
-        self.register_tp_parameter("weight", (self.in_features, self.out_features),
-                                   TPPartition(0, lo, hi), "normal", scale)
-        if self.has_bias:
-            self.register_tp_parameter("bias", (self.out_features,), None, "zeros", 0.0)
+        self.act = _activation(activation)
+        self.split_parameter("weight", (in_features, self.out_features), TPPartition(0, lo, hi))
 
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        w = self.param("weight")
-        x = float_input(x, w.dtype, self.name)
+    def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True,
+                keep_input: bool = True) -> np.ndarray:
+        _no_deferred_bias(self, add_bias, self.act is not None)
         if self.scatter is not None:
-            x = self.scatter.forward(x, ctx)
-        check_features(x, self.local_in, self.name, "local in_features")
-        y = self.reduce_out.forward(matmul_rows(x, w), ctx)
-        if self.has_bias:
+            x = self.scatter.forward(np.asarray(x), ctx)
+        y = super().forward(x, ctx, add_bias=False, keep_input=keep_input)
+        y = self.reduce_out.forward(y, ctx)
+        if self.has_bias and add_bias:
             y += self.param("bias")
-        self._save(ctx, x)
-        return y
+        return y if self.act is None else self.act.forward(y, ctx)
 
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = self._take(ctx)
-        w = self.param("weight")
-        dy = self.reduce_out.backward(dy, ctx)
-        dy2 = dy.reshape(-1, self.out_features)
-        if self.has_bias:
-            self.grad("bias")[...] += dy2.sum(axis=0)
-        add_transposed_product(self.grad("weight"), x.reshape(-1, self.local_in), dy2)
-        dx = matmul_rows(dy, w.T)
-        return dx if self.scatter is None else self.scatter.backward(dx, ctx)
+    def backward(self, dy: np.ndarray, ctx: Hashable = None, *,
+                 bias_grad: bool = True) -> np.ndarray:
+        if self.act is not None:
+            dy = self.act.backward(dy, ctx)
+        return super().backward(self.reduce_out.backward(dy, ctx), ctx, bias_grad=bias_grad)
+
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        """This rank's slice of the input gradient (the whole one, allgathered, when the
+        layer split its input itself)."""
+        dx = super().input_grad(dy)
+        return dx if self.scatter is None else self.scatter.backward(dx)
 
 
 class VocabParallelEmbedding(TensorParallelModule):
@@ -395,8 +425,10 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.lo, self.hi = _split(self.num_embeddings, size, rank, "vocab_size")
         self.reduce_out = ReduceFromTensorParallel(comm)
-        self.register_tp_parameter("weight", (self.num_embeddings, self.embedding_dim),
-                                   TPPartition(0, self.lo, self.hi), "normal", scale)
+        self.register_parameter("weight", (self.hi - self.lo, self.embedding_dim), "normal",
+                                scale)
+        self.split_parameter("weight", (self.num_embeddings, self.embedding_dim),
+                             TPPartition(0, self.lo, self.hi))
 
     def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
@@ -431,6 +463,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         return None
 
 
+
 class VocabParallelLMHead(TensorParallelModule):
     """``logits = x @ weight.T`` with the ``(vocab_size, n_embd)`` weight split by rows:
     each rank returns its vocabulary slice of the logits (feed them to
@@ -438,19 +471,19 @@ class VocabParallelLMHead(TensorParallelModule):
     :class:`VocabParallelEmbedding`'s (same rows on every rank)."""
 
     def __init__(self, n_embd: int, vocab_size: int, *, comm: Any,
-                 tied_to: VocabParallelEmbedding | None = None) -> None:
+                 tied_to: VocabParallelEmbedding | None = None, scale: float = 0.02) -> None:
         super().__init__()
         size, rank = _group(comm)
+        self.comm = comm
         self.n_embd, self.vocab_size = int(n_embd), int(vocab_size)
         lo, hi = _split(self.vocab_size, size, rank, "vocab_size")
         self.local_vocab = hi - lo
         self.copy_in = CopyToTensorParallel(comm)
         if tied_to is None:
-            self.register_tp_parameter("weight", (self.vocab_size, self.n_embd),
-                                       TPPartition(0, lo, hi), "normal", 0.02)
+            self.register_parameter("weight", (self.local_vocab, self.n_embd), "normal", scale)
+            self.split_parameter("weight", (self.vocab_size, self.n_embd), TPPartition(0, lo, hi))
         else:
             self.register_shared("weight", tied_to, "weight")
-
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
         if x.shape[-1] != self.n_embd:
@@ -532,160 +565,111 @@ class VocabParallelCrossEntropy(Module):
         return p.reshape(shape)
 
 
-# -- the tensor-parallel GPT ----------------------------------------------------------------
-class TPCausalSelfAttention(TensorParallelModule):
-    """Causal self-attention with the heads split over tp (names as
-    :class:`~mpidist.nn.CausalSelfAttention`: ``qkv``, ``proj``)."""
-
-    def __init__(self, n_embd: int, n_head: int, n_layer: int = 1, bias: bool = True, *,
-                 comm: Any) -> None:
-        super().__init__()
-        size, _ = _group(comm)
-        if n_head % size:
-            raise ValueError(f"tp={size} does not divide n_head={n_head}")
-        self.n_embd, self.n_head = int(n_embd), int(n_head)
-        self.head_dim = n_embd // n_head
-        self.local_heads = n_head // size
-        self.local_embd = self.local_heads * self.head_dim
-        self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, comm=comm, bias=bias, groups=3)
-        self.proj = RowParallelLinear(n_embd, n_embd, comm=comm, bias=bias,
-                                      scale=residual_scale(n_layer))
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = np.asarray(x)
-        if x.ndim != 3 or x.shape[-1] != self.n_embd:
-            raise ValueError(
-                f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"
-            )
-        # Keeps the log-sum-exp, not the probabilities: TPFeedForward keeps its GELU output.
-        y, saved = causal_attention(self.qkv.forward(x, ctx), self.local_heads,
-                                    keep_probabilities=False)
-        self._save(ctx, saved)
-        return self.proj.forward(y, ctx)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        saved = self._take(ctx)
-        return self.qkv.backward(causal_attention_backward(self.proj.backward(dy, ctx), saved),
-                                 ctx)
+# -- applying a plan ------------------------------------------------------------------------
+def _parallel_layer(layer: Module, style: Style, comm: Any,
+                    built: dict[str, Module]) -> Module | None:
+    """The tensor-parallel replacement of ``layer`` under ``style`` (None: adjusted in place).
+    A tied head reuses its embedding's replacement from ``built``."""
+    specs = {s.name: s for s in layer.own_parameter_specs()}
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        kw = dict(comm=comm, bias=layer.has_bias, init=specs["weight"].kind,
+                  scale=specs["weight"].scale, activation=getattr(layer, "activation", None))
+        if isinstance(style, ColwiseParallel):
+            return ColumnParallelLinear(layer.in_features, layer.out_features, groups=style.groups,
+                                        gather_output=style.gather_output, **kw)
+        return RowParallelLinear(layer.in_features, layer.out_features,
+                                 input_is_parallel=style.input_is_parallel, **kw)
+    if isinstance(style, VocabParallel):
+        if isinstance(layer, Embedding):
+            return VocabParallelEmbedding(layer.num_embeddings, layer.embedding_dim, comm=comm,
+                                          scale=specs["weight"].scale)
+        owner = layer.full_name("weight").rpartition(".")[0]
+        if owner != layer.name:  # tied: check_plan made the owner vocab-parallel too
+            return VocabParallelLMHead(layer.n_embd, layer.vocab_size, comm=comm,
+                                       tied_to=built[owner])
+        return VocabParallelLMHead(layer.n_embd, layer.vocab_size, comm=comm,
+                                   scale=specs["weight"].scale)
+    return None
 
 
-class TPFeedForward(TensorParallelModule):
-    """GPT-2 MLP, column-parallel ``fc`` → GELU → row-parallel ``proj`` (one allreduce
-    forward, one backward)."""
-
-    def __init__(self, n_embd: int, n_layer: int = 1, bias: bool = True, *, comm: Any) -> None:
-        super().__init__()
-        self.fc = ColumnParallelLinear(n_embd, 4 * n_embd, comm=comm, bias=bias)
-        self.act = GELU()
-        self.proj = RowParallelLinear(4 * n_embd, n_embd, comm=comm, bias=bias,
-                                      scale=residual_scale(n_layer))
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.proj.forward(self.act.forward(self.fc.forward(x, ctx), ctx), ctx)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.fc.backward(self.act.backward(self.proj.backward(dy, ctx), ctx), ctx)
+@functools.cache
+def _tp_class(cls: type) -> type:
+    """``cls`` with :class:`TensorParallelModule` mixed in (as FSDP2's ``fully_shard`` does),
+    so a container of split layers initialises their slices."""
+    return type(f"TP{cls.__name__}", (cls, TensorParallelModule),
+                {"__module__": __name__, "__doc__": f"A {cls.__name__} holding tensor-parallel "
+                 "layers (made by :func:`parallelize`)."})
 
 
-class TPBlock(TensorParallelModule):
-    """Pre-LN transformer block with tp attention and MLP; LayerNorms are replicated."""
-
-    def __init__(self, config: GPTConfig, *, comm: Any) -> None:
-        super().__init__()
-        c = config
-        self.ln_1 = LayerNorm(c.n_embd, c.layer_norm_eps)
-        self.attn = TPCausalSelfAttention(c.n_embd, c.n_head, c.n_layer, c.bias, comm=comm)
-        self.ln_2 = LayerNorm(c.n_embd, c.layer_norm_eps)
-        self.mlp = TPFeedForward(c.n_embd, c.n_layer, c.bias, comm=comm)
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        h = x + self.attn.forward(self.ln_1.forward(x, ctx), ctx)
-        return h + self.mlp.forward(self.ln_2.forward(h, ctx), ctx)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        dh = dy + self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
-        return dh + self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+def _submodule(root: Module, path: str) -> Module:
+    return functools.reduce(getattr, path.split("."), root) if path else root
 
 
-class TPGPTEmbedding(TensorParallelModule):
-    """First unit: vocab-parallel ``wte`` plus replicated ``wpe``."""
+def parallelize(module: Module, plan: Plan, *, comm: Any) -> Module:
+    """The tensor-parallel form of ``module`` for this rank of ``comm`` under ``plan``.
 
-    def __init__(self, config: GPTConfig, *, comm: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, comm=comm)
-        # Position embeddings are small and replicated: an ordinary table.
-        self.wpe = Embedding(config.block_size, config.n_embd)
-        self.drop = Dropout(config.dropout) if config.dropout > 0 else None
+    ``plan`` maps layer-name patterns to styles (see :mod:`mpidist.nn.tp_plan`;
+    :func:`default_plan` gives a GPT's or an MLP's). The result is a fresh copy of the tree
+    (``module`` is left as it was, still usable), unbound, with each matched layer replaced
+    by its parallel form (or, for ``"heads"``, running its local heads). Parameter names are
+    the single-process ones, initial values this rank's slices of the single-process ones
+    (:meth:`~mpidist.nn.Module.build` or ``init_parameters`` on any sub-tree), and
+    :func:`tp_partitions` lists every split tensor. Containers of split layers become
+    subclasses of their class and :class:`TensorParallelModule` (``TPGPT``, ``TPBlock``...).
+    A vocab-parallel head returns vocabulary-sharded logits: use the result's ``loss()``.
 
-    # The same computation as the single-process embedding unit; only ``wte`` differs (its
-    # forward already allreduces the vocabulary-sharded lookups over tp).
-    forward = GPTEmbedding.forward
-    backward = GPTEmbedding.backward
-
-
-class TPGPTHead(TensorParallelModule):
-    """Last unit: replicated ``ln_f`` and the vocab-parallel head (vocab-sharded logits)."""
-
-    def __init__(self, config: GPTConfig, *, comm: Any,
-                 tied_to: VocabParallelEmbedding | None = None) -> None:
-        super().__init__()
-        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_eps)
-        self.head = VocabParallelLMHead(config.n_embd, config.vocab_size, comm=comm,
-                                        tied_to=tied_to)
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.head.forward(self.ln_f.forward(x, ctx), ctx)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return self.ln_f.backward(self.head.backward(dy, ctx), ctx)
+    The plan is checked first (:func:`check_plan`, ValueError on every rank alike); building
+    makes no communication. The result's forward and backward are collective over ``comm``;
+    it does not check that the styles chain correctly (a colwise layer's split output must
+    feed a rowwise layer or a layer that works on slices).
+    """
+    if tp_partitions(module):
+        raise ValueError(f"the {type(module).__name__} is already tensor parallel")
+    size, _ = _group(comm)
+    styles = check_plan(module, plan, size)
+    layers = dict(module.named_modules())
+    built: dict[str, Module] = {}
+    # Embeddings first: a head tied to one reuses its replacement.
+    for path in sorted(styles, key=lambda p: not isinstance(layers[p], Embedding)):
+        new = _parallel_layer(layers[path], styles[path], comm, built)
+        if new is not None:
+            built[path] = new
+    # Copying with the replacements in the memo swaps them in wherever the old layers were
+    # referenced (children, a model's units list, ...).
+    out = copy.deepcopy(module, {id(layers[p]): m for p, m in built.items()})
+    out.unbind()
+    out.clear_cache()
+    for path, new in built.items():
+        parent, _, attr = path.rpartition(".")
+        setattr(_submodule(out, parent), attr, new)  # gives it its dotted prefix
+    for path, style in styles.items():
+        if isinstance(style, HeadParallel):
+            attn = _submodule(out, path)
+            attn.n_head //= size
+    inner = [m.prefix for m in out.modules() if isinstance(m, TensorParallelModule)]
+    for mod in out.modules():
+        if not isinstance(mod, TensorParallelModule) and any(p.startswith(mod.prefix)
+                                                             for p in inner):
+            mod.__class__ = _tp_class(type(mod))
+    return out
 
 
 def check_tensor_parallel_gpt(config: GPTConfig, tp: int) -> None:
-    """Raise ValueError unless ``tp`` divides n_head, n_embd and vocab_size. Pure."""
+    """Raise ValueError unless ``tp`` divides n_head, n_embd and vocab_size. Pure.
+    (Superseded by ``check_plan(GPT(config), GPT_PLAN, tp)``.)"""
     for what in ("n_head", "n_embd", "vocab_size"):
         v = getattr(config, what)
         if v % tp:
             raise ValueError(f"tp={tp} does not divide {what}={v}")
 
 
-class TensorParallelGPT(TensorParallelModule):
-    """The tensor-parallel form of :class:`~mpidist.nn.GPT` for one tp rank.
+def TensorParallelGPT(config: GPTConfig, *, comm: Any) -> Module:
+    """The tensor-parallel :class:`~mpidist.nn.GPT` for this tp rank:
+    ``parallelize(GPT(config), GPT_PLAN, comm=comm)``.
 
-    Built from the same :class:`GPTConfig`; same units (``embed``, ``blocks.i``, ``final``),
-    same parameter names, and initial values equal to this rank's slices of the
-    single-process model's. ``forward(idx)`` returns this rank's vocabulary slice of the
-    logits; use :class:`VocabParallelCrossEntropy` as the loss. Collective over ``comm``.
+    Same units (``embed``, ``blocks.i``, ``final``), parameter names and (sliced) initial
+    values as the single-process model; ``forward(idx)`` returns this rank's vocabulary slice
+    of the logits, and ``loss()`` the matching :class:`VocabParallelCrossEntropy`.
+    Building is not collective; forward and backward are, over ``comm``.
     """
-
-    def __init__(self, config: GPTConfig, *, comm: Any) -> None:
-        super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
-        size, _ = _group(comm)
-        check_tensor_parallel_gpt(config, size)
-        self.config = config
-        self.comm = comm
-        self.embed = TPGPTEmbedding(config, comm=comm)
-        self.blocks = ModuleList(TPBlock(config, comm=comm) for _ in range(config.n_layer))
-        self.final = TPGPTHead(config, comm=comm,
-                               tied_to=self.embed.wte if config.tie_weights else None)
-        self._units = [self.embed, *self.blocks, self.final]
-
-    @property
-    def units(self) -> list[Module]:
-        return list(self._units)
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        for unit in self._units:
-            x = unit.forward(x, ctx)
-        return x
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
-        for unit in reversed(self._units):
-            dy = unit.backward(dy, ctx)
-        return None
-
-    def loss(self) -> VocabParallelCrossEntropy:
-        """The matching vocab-parallel cross-entropy."""
-        return VocabParallelCrossEntropy(self.comm, self.config.vocab_size)
+    return parallelize(GPT(config), GPT_PLAN, comm=comm)

@@ -2,29 +2,51 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 
 import numpy as np
 import pytest
 
-from mpidist.nn import GELU, GPT, CrossEntropyLoss, Embedding, GPTConfig, Linear, Module
+from mpidist.nn import GELU, GPT, MLP, CrossEntropyLoss, Embedding, GPTConfig, Linear, Module
 from mpidist.nn.tensor_parallel import (
+    GPT_PLAN,
     ColumnParallelLinear,
+    ColwiseParallel,
     CopyToTensorParallel,
     GatherFromTensorParallel,
     ReduceFromTensorParallel,
     RowParallelLinear,
+    RowwiseParallel,
     ScatterToTensorParallel,
     TensorParallelGPT,
     TensorParallelModule,
     TPPartition,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
+    check_plan,
+    default_plan,
+    parallelize,
     tp_partition,
     tp_partitions,
 )
 
 TOL = dict(rtol=1e-11, atol=1e-13)
+EXACT = dict(rtol=1e-12, atol=1e-13)
+
+
+class FakeComm:
+    """A tp group of ``size`` that cannot communicate: what is checked before any
+    communication raises before touching it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Get_rank(self) -> int:
+        return 0
 
 
 class SerialMLP(Module):
@@ -95,17 +117,10 @@ def test_single_rank_tp_gpt_equals_gpt():
 
 
 def test_bad_tp_sizes_name_the_values():
-    class FakeComm:
-        def Get_size(self):
-            return 3
-
-        def Get_rank(self):
-            return 0
-
     with pytest.raises(ValueError, match="tp=3 does not divide n_head=4"):
-        TensorParallelGPT(GPTConfig(vocab_size=63, n_head=4, n_embd=12), comm=FakeComm())
+        TensorParallelGPT(GPTConfig(vocab_size=63, n_head=4, n_embd=12), comm=FakeComm(3))
     with pytest.raises(ValueError, match="tp=3 does not divide vocab_size=64"):
-        VocabParallelEmbedding(64, 4, comm=FakeComm())
+        VocabParallelEmbedding(64, 4, comm=FakeComm(3))
 
 
 def test_column_parallel_gradcheck_single_rank():
@@ -133,6 +148,72 @@ def test_column_parallel_gradcheck_single_rank():
         xm[idx] -= eps
         num[idx] = (np.sum(lin.forward(xp) * w) - np.sum(lin.forward(xm) * w)) / (2 * eps)
     np.testing.assert_allclose(dx, num, rtol=1e-6, atol=1e-8)
+
+
+def _one_error(module: Module, plan, tp: int) -> str:
+    with pytest.raises(ValueError) as err:
+        check_plan(module, plan, tp)
+    with pytest.raises(ValueError, match="^" + re.escape(str(err.value)) + "$"):
+        parallelize(module, plan, comm=FakeComm(tp))  # raised before any communication
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_bad_plans_give_one_clear_line():
+    mlp = MLP([4, 6, 3])
+    assert _one_error(mlp, {"layers.0": "colwise", "layers.1": "rowwise"}, 4) == (
+        "tp=4 does not divide out_features=6 of layer layers.0; "
+        "tp=4 does not divide in_features=6 of layer layers.1")
+    assert _one_error(mlp, {"layers.9": "colwise"}, 2) == \
+        "plan pattern 'layers.9' matches no layer of the MLP"
+    assert _one_error(mlp, {"layers.*": "vocab"}, 2) == \
+        "style 'vocab' applies to an Embedding or LMHead; layer layers.0 is a Dense"
+    assert "style 'diagonal' of plan pattern 'layers.0' is not one of" in \
+        _one_error(mlp, {"layers.0": "diagonal"}, 2)
+    assert _one_error(mlp, {"layers.0": "colwise", "layers.*": "rowwise"}, 2) == \
+        "layer layers.0 matches plan patterns 'layers.0' and 'layers.*'"
+    gpt = GPT(GPTConfig(vocab_size=64, n_head=4, n_embd=16, tie_weights=True))
+    plan = {k: v for k, v in GPT_PLAN.items() if k != "final.head"}
+    assert _one_error(gpt, plan, 2).startswith(
+        "layer final.head is tied to embed.wte.weight: both layers need the same style")
+    assert _one_error(gpt, {"blocks.*.attn.qkv": ColwiseParallel(groups=3)}, 3) == (
+        "tp=3 does not divide out_features=48 / 3 blocks = 16 of layer blocks.0.attn.qkv")
+    with pytest.raises(ValueError, match="no default tensor-parallel plan for a Linear"):
+        default_plan(Linear(2, 3))
+    with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
+        check_plan(mlp, {}, 0)
+
+
+def test_default_plans():
+    assert default_plan(GPT(GPTConfig())) == dict(GPT_PLAN)
+    assert default_plan(MLP([3, 4, 5, 6, 7, 8])) == {
+        "layers.0": ColwiseParallel(), "layers.1": RowwiseParallel(),
+        "layers.2": ColwiseParallel(), "layers.3": RowwiseParallel()}  # layers.4 replicated
+    styles = check_plan(GPT(GPTConfig(n_layer=1)), GPT_PLAN, 2)
+    assert list(styles) == ["embed.wte", "blocks.0.attn", "blocks.0.attn.qkv",
+                            "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj",
+                            "final.head"]
+
+
+def test_parallelize_single_rank_equals_mlp_and_leaves_it_usable():
+    ref = MLP([5, 8, 6, 4], activation="tanh")
+    pr, gr = ref.build(np.float64, seed=3)
+    before = pr.data.copy()
+    tp = parallelize(ref, default_plan(ref), comm=None)
+    assert not tp.is_bound and ref.is_bound
+    with pytest.raises(ValueError, match="already tensor parallel"):
+        parallelize(tp, default_plan(ref), comm=None)
+    assert tp.named_parameter_shapes() == ref.named_parameter_shapes()
+    assert [type(u).__name__ for u in tp.units] == \
+        ["ColumnParallelLinear", "RowParallelLinear", "Dense"]
+    pt, gt = tp.build(np.float64, seed=3)
+    np.testing.assert_array_equal(pt.data, pr.data)
+    np.testing.assert_array_equal(pr.data, before)
+    x = np.random.default_rng(0).standard_normal((3, 5))
+    np.testing.assert_array_equal(tp.forward(x), ref.forward(x))
+    dy = np.random.default_rng(1).standard_normal((3, 4))
+    np.testing.assert_array_equal(tp.backward(dy), ref.backward(dy))
+    np.testing.assert_array_equal(gt.data, gr.data)
 
 
 # -- MPI ----------------------------------------------------------------------------------
@@ -221,3 +302,67 @@ def test_tensor_parallel_gpt_equals_gpt(comm):
     ref.backward(lr.backward())
     tp.backward(lt.backward())
     _check_slices(tp, gt, pt, gr, pr)
+
+
+def _mlp_case(comm, sizes, activation, plan=None):
+    ref = MLP(sizes, activation)
+    pr, gr = ref.build(np.float64, seed=5)
+    tp = parallelize(ref, plan or default_plan(ref), comm=comm)
+    pt, gt = tp.build(np.float64, seed=5)
+    x = np.random.default_rng(0).standard_normal((6, sizes[0]))
+    dy = np.random.default_rng(1).standard_normal((6, sizes[-1]))
+    y_tp = tp.forward(x)
+    np.testing.assert_allclose(y_tp, ref.forward(x), **EXACT)
+    np.testing.assert_allclose(tp.backward(dy), ref.backward(dy), **EXACT)
+    _check_slices(tp, gt, pt, gr, pr)
+    # Unit by unit (as ZeRO-3 and the pipeline run them) equals the whole model.
+    h = x
+    for u in tp.units:
+        h = u.forward(h, ctx="u")
+    np.testing.assert_allclose(h, y_tp, **EXACT)
+    tp.clear_cache()
+    return tp
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sizes,activation", [([5, 24, 12, 24, 7], "relu"),
+                                              ([5, 24, 6, 7], "gelu"),
+                                              ([3, 12, 2], "tanh")])
+def test_mlp_under_its_plan_equals_mlp(comm, sizes, activation):
+    n = comm.Get_size()
+    tp = _mlp_case(comm, sizes, activation)
+    parts = tp_partitions(tp)
+    assert parts["layers.0.weight"] == (TPPartition(1, 0, sizes[1] // n).for_rank(
+        comm.Get_rank()), (sizes[0], sizes[1]))
+    assert "layers.1.bias" not in parts  # a row-parallel bias is replicated
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gathered_colwise_then_split_rowwise_equals_mlp(comm):
+    plan = {"layers.0": ColwiseParallel(gather_output=True),
+            "layers.1": RowwiseParallel(input_is_parallel=False)}
+    _mlp_case(comm, [5, 24, 12, 7], "relu", plan)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("tie", [False, True])
+def test_parallelized_gpt_equals_gpt(comm, tie):
+    n = comm.Get_size()
+    if 4 % n:
+        pytest.skip(f"tp={n} does not divide the test GPT's n_head=4")
+    cfg = GPTConfig(vocab_size=96, block_size=8, n_layer=2, n_head=4, n_embd=16,
+                    tie_weights=tie)
+    ref = GPT(cfg)
+    pr, gr = ref.build(np.float64, seed=2)
+    tp = parallelize(ref, default_plan(ref), comm=comm)
+    pt, gt = tp.build(np.float64, seed=2)
+    assert isinstance(tp, GPT) and tp.config == cfg
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 96, (2, 8)), rng.integers(0, 96, (2, 8))
+    lr, lt = CrossEntropyLoss(), tp.loss()
+    assert lt.forward(tp.forward(x), y) == pytest.approx(lr.forward(ref.forward(x), y),
+                                                         rel=1e-12)
+    ref.backward(lr.backward())
+    tp.backward(lt.backward())
+    _check_slices(tp, gt, pt, gr, pr)
+    assert tp.blocks[0].attn.n_head == 4 // n and ref.blocks[0].attn.n_head == 4
