@@ -86,7 +86,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "check_plan",
-    "check_tensor_parallel_gpt",
     "default_plan",
     "parallelize",
     "tp_partition",
@@ -652,15 +651,6 @@ def parallelize(module: Module, plan: Plan, *, comm: Any) -> Module:
                                                              for p in inner):
             mod.__class__ = _tp_class(type(mod))
     return out
-
-
-def check_tensor_parallel_gpt(config: GPTConfig, tp: int) -> None:
-    """Raise ValueError unless ``tp`` divides n_head, n_embd and vocab_size. Pure.
-    (Superseded by ``check_plan(GPT(config), GPT_PLAN, tp)``.)"""
-    for what in ("n_head", "n_embd", "vocab_size"):
-        v = getattr(config, what)
-        if v % tp:
-            raise ValueError(f"tp={tp} does not divide {what}={v}")
 
 
 def TensorParallelGPT(config: GPTConfig, *, comm: Any) -> Module:

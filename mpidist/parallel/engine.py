@@ -32,7 +32,13 @@ from mpidist.optim.clipping import clip_coefficient
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.loop import run_steps
-from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
+from mpidist.parallel.model import (
+    ShardedModel,
+    check_loss,
+    resolve_mesh_shape,
+    tensor_parallel_styles,
+    vocab_sharded,
+)
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule
 from mpidist.parallel.placement import LEVEL_NAMES, LEVELS
 from mpidist.parallel.training_state import TrainingStateMixin
@@ -77,6 +83,8 @@ class ShardedOptimizer(TrainingStateMixin):
             ``config.mesh`` is None (on ``comm``; default ``MPI.COMM_WORLD``).
         schedule: the pipeline schedule when pp > 1 ("1f1b" or "gpipe").
         balance: the pipeline stage split, "uniform" or "parameters".
+        tp_plan: the tensor-parallel plan when tp > 1 (see :mod:`mpidist.nn.tp_plan`;
+            default: the model's own).
 
     Construction is pure: bad values raise ValueError on every rank alike.
     """
@@ -90,7 +98,8 @@ class ShardedOptimizer(TrainingStateMixin):
                  level: int | None = None, hook: GradientHook | None = None, loss: Any = None,
                  lr_schedule: Any = None, pipeline_parallel_size: int = 1,
                  tensor_parallel_size: int = 1, data_parallel_size: int = -1,
-                 schedule: str = "1f1b", balance: str = "uniform", comm: Any = None) -> None:
+                 schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
+                 tp_plan: Any = None) -> None:
         if not isinstance(base, Optimizer):
             raise ValueError(
                 f"base={base!r} must be an optimizer from mpidist.optim (SGD, Adam, ...)"
@@ -106,6 +115,7 @@ class ShardedOptimizer(TrainingStateMixin):
         self.hook = hook if hook is not None else default_hook(self.level)
         self.schedule = check_schedule(schedule)
         self.balance = balance
+        self.tp_plan = tp_plan
         #: the communicator a mesh is built on when ``config.mesh`` is None (resolved here,
         #: at the entry point: nothing below reads MPI.COMM_WORLD)
         self.build_comm = world(comm) if self.config.mesh is None else comm
@@ -149,20 +159,16 @@ class ShardedOptimizer(TrainingStateMixin):
 
     def _build_model(self, module: Any, *, seed: int, config: ShardingConfiguration | None = None,
                initialize: bool = True) -> ShardedModel:
-        if self.shape.tp > 1:
-            from mpidist.nn import CrossEntropyLoss
-
-            if not isinstance(self.loss, CrossEntropyLoss):
-                raise ValueError(
-                    f"tensor_parallel_size={self.shape.tp} needs CrossEntropyLoss; got "
-                    f"{type(self.loss).__name__}"
-                )
+        if self.shape.tp > 1 and vocab_sharded(
+                module, tensor_parallel_styles(module, self.tp_plan, self.shape.tp)):
+            check_loss(self.loss, self.shape.tp)
         config = config if config is not None else self.config
         sizes = {} if config.mesh is not None else {
             "pipeline_parallel_size": self.shape.pp, "tensor_parallel_size": self.shape.tp,
             "data_parallel_size": self.shape.dp}
         return ShardedModel(module, config, seed=seed, level=self.level, hook=self.hook,
-                            balance=self.balance, comm=self.build_comm, initialize=initialize,
+                            balance=self.balance, comm=self.build_comm, tp_plan=self.tp_plan,
+                            initialize=initialize,
                             **sizes)
 
     def attach(self, model: ShardedModel) -> None:

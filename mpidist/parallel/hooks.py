@@ -330,11 +330,11 @@ class LocalSGD(GradientHook):
 
     def bind(self, model: Any, pieces: list[Any]) -> None:
         super().bind(model, pieces)
-        dp, r = model.dp_size, model.dp_rank
-        if self.replica_comm is None or self.replica_comm.Get_size() != dp // self.group:
-            self.free()
-            # Ranks holding the same shard index in every replica.
-            self.replica_comm = model.comm.Split(r % self.group, r // self.group)
+        r = model.dp_rank
+        # Ranks holding the same shard index in every replica; made anew for every model
+        # (the previous one, if any, spans the previous model's processes).
+        self.free()
+        self.replica_comm = model.comm.Split(r % self.group, r // self.group)
         self.replica_meter = CountingComm(self.replica_comm, totals=self.meter)
 
     def free(self) -> None:

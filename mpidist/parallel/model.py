@@ -86,6 +86,40 @@ def resolve_mesh_shape(config: ShardingConfiguration, comm: Any = None, pp: int 
     return resolve_shape(world(comm).Get_size(), pp, tp, dp)
 
 
+def tensor_parallel_styles(module: Any, plan: Any, tp: int) -> dict[str, Any]:
+    """``{layer: style}`` of ``plan`` (default: the model's own) on ``module`` at tensor
+    size ``tp``; the one-line ValueError of a plan that does not fit, or splits nothing.
+    Pure."""
+    from mpidist.nn.tp_plan import check_plan, default_plan
+
+    styles = check_plan(module, plan if plan is not None else default_plan(module), tp)
+    if not styles:
+        raise ValueError(f"tensor_parallel_size={tp}: the tensor-parallel plan splits no "
+                         f"layer of the {type(module).__name__}")
+    return styles
+
+
+def vocab_sharded(module: Any, styles: dict[str, Any]) -> bool:
+    """Whether the plan leaves the model's output sharded over the vocabulary (a
+    vocab-parallel layer that is not an embedding). Pure."""
+    from mpidist.nn.layers import Embedding
+    from mpidist.nn.tp_plan import VocabParallel
+
+    layers = dict(module.named_modules())
+    return any(isinstance(style, VocabParallel) and not isinstance(layers.get(name), Embedding)
+               for name, style in styles.items())
+
+
+def check_loss(loss: Any, tp: int) -> None:
+    """A vocabulary-sharded output needs :class:`CrossEntropyLoss` (computed vocab-parallel);
+    ValueError naming the loss otherwise. Pure."""
+    from mpidist.nn import CrossEntropyLoss
+
+    if not isinstance(loss, CrossEntropyLoss):
+        raise ValueError(f"tensor_parallel_size={tp} needs CrossEntropyLoss (computed "
+                         f"vocab-parallel); got {type(loss).__name__}")
+
+
 class ShardedModel:
     """This rank's part of a model: its pipeline stage's units, in their tensor-parallel
     form when tp > 1, in the flat storage of sharding ``level`` over dp.
@@ -105,6 +139,8 @@ class ShardedModel:
         pipeline_parallel_size, tensor_parallel_size, data_parallel_size: mesh sizes when
             ``config.mesh`` is None (built on ``comm``, default ``MPI.COMM_WORLD``).
         balance: pipeline stage split, "uniform" (units) or "parameters" (their size).
+        tp_plan: the tensor-parallel plan (layer name pattern -> style, see
+            :mod:`mpidist.nn.tp_plan`); default the model's own (GPT, MLP).
         initialize: False skips computing initial values (state is about to be moved in).
     """
 
@@ -115,12 +151,14 @@ class ShardedModel:
                  seed: int = 0, level: int | None = None, hook: GradientHook | None = None,
                  pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
                  data_parallel_size: int = -1, balance: str = "uniform", comm: Any = None,
-                 initialize: bool = True) -> None:
+                 tp_plan: Any = None, initialize: bool = True) -> None:
         self.config = config if config is not None else ShardingConfiguration()
         self.module = module
         self.seed = int(seed)
         self.level = _int(self.default_level if level is None else level, "level")
         self.hook = hook if hook is not None else default_hook(self.level)
+        self.tp_plan = tp_plan
+        self.tp_styles: dict[str, Any] = {}
         shape = resolve_mesh_shape(self.config, comm, pipeline_parallel_size,
                                    tensor_parallel_size, data_parallel_size)
         self.pp_size, self.dp_size, self.tp_size = shape.pp, shape.dp, shape.tp
@@ -144,9 +182,9 @@ class ShardedModel:
         self.local_module = module
         partitions: dict[str, Any] = {}
         if self.tp_size > 1:
-            from mpidist.nn.tensor_parallel import TensorParallelGPT, tp_partitions
+            from mpidist.nn.tensor_parallel import parallelize, tp_partitions
 
-            self.local_module = TensorParallelGPT(module.config, comm=self.tp_comm)
+            self.local_module = parallelize(module, self.tp_styles, comm=self.tp_comm)
             names = set(stage_names[self.stage])
             partitions = {n: v for n, v in tp_partitions(self.local_module).items()
                           if n in names}
@@ -181,15 +219,7 @@ class ShardedModel:
         if sorted(whole) != sorted(names):
             raise ValueError(f"parameters outside every unit: {sorted(set(whole) - set(names))}")
         if self.tp_size > 1:
-            from mpidist.nn import GPT
-            from mpidist.nn.tensor_parallel import check_tensor_parallel_gpt
-
-            if not isinstance(self.module, GPT):
-                raise ValueError(
-                    f"tensor_parallel_size={self.tp_size} needs an mpidist.nn.GPT; got "
-                    f"{type(self.module).__name__}"
-                )
-            check_tensor_parallel_gpt(self.module.config, self.tp_size)
+            self.tp_styles = tensor_parallel_styles(self.module, self.tp_plan, self.tp_size)
         users: dict[str, int] = {}
         for u in global_units:
             for n in u.parameter_names(include_shared=True):
@@ -553,21 +583,14 @@ class ShardedModel:
 
     # -- the pipeline's loss ------------------------------------------------------------------
     def stage_loss(self, loss: Any) -> Any:
-        """The loss the last stage runs: with tp > 1 a :class:`CrossEntropyLoss` becomes the
-        vocab-parallel cross-entropy over tp (same value, vocabulary-sharded logits)."""
-        if self.tp_size == 1:
+        """The loss the last stage runs: when tensor parallelism shards the output over the
+        vocabulary, a :class:`CrossEntropyLoss` becomes the vocab-parallel cross-entropy
+        over tp (same value, vocabulary-sharded logits)."""
+        if self.tp_size == 1 or not vocab_sharded(self.module, self.tp_styles):
             return loss
-        from mpidist.nn import CrossEntropyLoss
-        from mpidist.nn.tensor_parallel import VocabParallelCrossEntropy
-
-        if not isinstance(loss, CrossEntropyLoss):
-            raise ValueError(
-                f"tensor_parallel_size={self.tp_size} needs CrossEntropyLoss (computed "
-                f"vocab-parallel); got {type(loss).__name__}"
-            )
+        check_loss(loss, self.tp_size)
         if self._loss_cache is None or self._loss_cache[0] is not loss:
-            self._loss_cache = (loss, VocabParallelCrossEntropy(
-                self.tp_comm, self.local_module.config.vocab_size))
+            self._loss_cache = (loss, self.local_module.loss())
         return self._loss_cache[1]
 
     # -- whole tensors (state dicts, checkpoints, serialisation) ------------------------------

@@ -104,15 +104,16 @@ def _hybrid(base: Any, config: Any, *, comm: Any = None, pp: int = 1, tp: int = 
                                   comm=comm, **common)
 
 
-@register("elastic", "workers may leave and join between steps",
-          ("zero_stage", "min_workers", "max_workers", "events"))
-def _elastic(base: Any, config: Any, *, comm: Any = None, zero_stage: int = 0,
-             min_workers: int = 1, max_workers: int = 1024, events: Any = None,
-             **common: Any) -> Any:
+@register("elastic", "workers may leave and join between steps (dp changes; pp, tp fixed)",
+          ("pp", "tp", "zero_stage", "schedule", "min_workers", "max_workers", "events"))
+def _elastic(base: Any, config: Any, *, comm: Any = None, pp: int = 1, tp: int = 1,
+             zero_stage: int = 0, schedule: str = "1f1b", min_workers: int = 1,
+             max_workers: int = 1024, events: Any = None, **common: Any) -> Any:
     from mpidist.parallel.elastic import ElasticOptimizer
 
     return ElasticOptimizer(base, config, min_workers, max_workers, zero_stage=zero_stage,
-                            comm=comm, events=events, **common)
+                            pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                            schedule=schedule, comm=comm, events=events, **common)
 
 
 @register("localsgd", "replicas step alone and are averaged every --sync-period steps",

@@ -113,8 +113,12 @@ class HybridShardedOptimizer(ShardedOptimizer):
         schedule: "1f1b" (default) or "gpipe".
         balance: stage split, "uniform" (units) or "parameters" (parameter count).
         comm: communicator to build the mesh on when ``config.mesh`` is None.
-        loss, lr_schedule: as for every strategy (with tp > 1 the loss must be
-            :class:`~mpidist.nn.CrossEntropyLoss`, run vocab-parallel).
+        loss, lr_schedule: as for every strategy (with tp > 1 and a vocabulary-sharded
+            output the loss must be :class:`~mpidist.nn.CrossEntropyLoss`, run
+            vocab-parallel).
+        tp_plan: which layers tensor parallelism splits, and how (layer name pattern ->
+            "colwise", "rowwise", "vocab", "heads"; see :mod:`mpidist.nn.tp_plan`);
+            default the model's own plan (GPT, MLP).
 
     Construction is pure and raises ValueError (same on every rank) for sizes that do not
     match the world or the mesh, a bad zero_stage, schedule or balance.
@@ -126,8 +130,9 @@ class HybridShardedOptimizer(ShardedOptimizer):
                  pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
                  data_parallel_size: int = -1, zero_stage: int = 0, *,
                  schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
-                 loss: Any = None, lr_schedule: Any = None) -> None:
+                 loss: Any = None, lr_schedule: Any = None, tp_plan: Any = None) -> None:
         super().__init__(base, config, level=zero_stage, loss=loss, lr_schedule=lr_schedule,
+                         tp_plan=tp_plan,
                          pipeline_parallel_size=pipeline_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, schedule=schedule,

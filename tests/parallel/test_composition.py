@@ -179,3 +179,41 @@ def test_pairs_that_do_not_compose_say_why():
         LocalSGD(2).check(0, 2, 1)
     with pytest.raises(ValueError, match="strategy 'ddp' takes no option sync_period=4"):
         STRATEGIES["ddp"](SGD(), sync_period=4)
+
+
+# -- tensor parallelism by plan, through the strategies --------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("level", [0, 2])
+def test_mlp_split_by_its_plan_matches_single_process(comm, level):
+    """An MLP (no GPT) under tensor parallelism over the whole world, its layers split by
+    the MLP's default plan (column, row, last layer replicated), at ZeRO level 0 and 2:
+    single-process training on the same global batch."""
+    from mpidist.data import synthetic_regression
+    from mpidist.nn import MLP, MSELoss
+    from mpidist.optim import AdamW
+    from mpidist.parallel import HybridShardedOptimizer
+
+    sizes, steps, batch = [6, 24, 12, 3], 3, 16
+    data = synthetic_regression(64, 6, 3, seed=2)
+    loss = MSELoss()
+    ref = MLP(sizes)
+    params, grads = ref.build(np.dtype("float64"), seed=0)
+    opt = AdamW(lr=1e-2)
+    state = opt.init_state(params.data.shape[0], dtype=np.float64)
+    sampler = GlobalBatchSampler(len(data), batch, seed=0)
+    ref_losses = []
+    for step in range(steps):
+        x, y = data.batch(sampler.global_indices(step))
+        grads.zero_()
+        ref_losses.append(loss.forward(ref.forward(x), y))
+        ref.backward(loss.backward())
+        opt.update(params.data, grads.data, state)
+    hybrid = HybridShardedOptimizer(AdamW(lr=1e-2), ShardingConfiguration(dtype="float64"),
+                                    tensor_parallel_size=comm.Get_size(), zero_stage=level,
+                                    comm=comm, loss=MSELoss())
+    model = hybrid.wrap(MLP(sizes), seed=0)
+    got = hybrid.optimize(model, data, steps, global_batch_size=batch).losses
+    np.testing.assert_allclose(got, ref_losses, **CLOSE)
+    full = model.full_parameters()
+    for name, value in params.views().items():
+        np.testing.assert_allclose(full[name], value, **CLOSE)

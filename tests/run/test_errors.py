@@ -52,7 +52,7 @@ def mpiexec(n: int, *args: str, script: list[str] | None = None, **extra: str
     (["--n-embd", "10", "--n-head", "4"],
      "mpidist train: error: n_embd=10 is not divisible by n_head=4"),
     (["--pp", "2"],
-     "mpidist train: error: --pp 2 --tp 1 need --strategy hybrid (got --strategy ddp)"),
+     "mpidist train: error: --pp 2 --tp 1 need --strategy hybrid or elastic (got --strategy ddp)"),
 ])
 def test_bad_input_is_one_line_from_rank_0_and_status_2(tmp_path: Path, args, line):
     out = tmp_path / "run"
