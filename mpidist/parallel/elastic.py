@@ -126,7 +126,7 @@ class ElasticOptimizer(ShardedOptimizer):
     step, run the same loop::
 
         opt = ElasticOptimizer(AdamW(lr=1e-3), ShardingConfiguration(), 2, 8,
-                               strategy="zero2", events="out/events.jsonl")
+                               zero_stage=2, events="out/events.jsonl")
         model = opt.wrap(make_model(), seed=0)       # a joiner joins here
         opt.sampler = GlobalBatchSampler(len(data), 24, seed=0)  # every worker, joiners too
         while opt.step_count < steps:
@@ -140,7 +140,7 @@ class ElasticOptimizer(ShardedOptimizer):
     """
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
-                 min_workers: int = 1, max_workers: int = 1024, *, strategy: str = "ddp",
+                 min_workers: int = 1, max_workers: int = 1024, *, strategy: str | None = None,
                  zero_stage: int | None = None, hook: GradientHook | None = None,
                  pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
                  schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
@@ -153,6 +153,8 @@ class ElasticOptimizer(ShardedOptimizer):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if min_workers > max_workers:
             raise ValueError(f"min_workers={min_workers} is above max_workers={max_workers}")
+        if zero_stage is None and strategy is None:
+            zero_stage = 0
         if zero_stage is None:
             if strategy not in LEVEL_NAMES:
                 raise ValueError(f"strategy={strategy!r} is not one of {list(LEVEL_NAMES)}")
