@@ -35,8 +35,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.buffers import ShardedLayout
 from mpidist.checkpoint import Piece, TensorInfo, read_pieces, save_checkpoint
+from mpidist.core.buffers import ShardedLayout
 
 
 def make_units(total_bytes: int, n_tensors: int, per_unit: int = 12):

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
 
 
 def timed(fn, comm) -> float:

@@ -21,8 +21,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.core.mesh import ProcessMesh
 from mpidist.data import TextCorpus
-from mpidist.mesh import ProcessMesh
 from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
 from mpidist.optim import AdamW
 from mpidist.parallel import (

@@ -24,7 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.mesh import ProcessMesh
+from mpidist.core.mesh import ProcessMesh
 from mpidist.nn import MLP, MSELoss
 from mpidist.optim import SGD
 from mpidist.parallel import DDPOptimizer, ShardingConfiguration

@@ -284,7 +284,7 @@ def check_env(args: argparse.Namespace) -> tuple[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, "-m", "mpidist", "env"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "mpidist.cli", "env"], env=env,
                           capture_output=True, text=True, timeout=120)
     log(proc.stdout + proc.stderr[-2000:])
     if proc.returncode:

@@ -50,7 +50,7 @@ OPS = ("allreduce", "reduce_scatter", "allgather")
 def _calls(comm, op: str, count: int, han: bool) -> dict:
     from mpi4py import MPI
 
-    from mpidist import collectives as C
+    from mpidist.core import collectives as C
 
     n = comm.Get_size()
     x = np.random.default_rng(comm.Get_rank()).standard_normal(count).astype(np.float32)
@@ -84,7 +84,7 @@ def _time(comm, fn) -> float:
 def worker(sizes_mb: list[float], reps: int, han: bool) -> None:
     from mpi4py import MPI
 
-    from mpidist.topology import topology
+    from mpidist.core.topology import topology
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
@@ -122,8 +122,8 @@ def train_worker(steps: int, chunk: int = 4, batch: int = 16) -> None:
     """Time to DDP's validation loss for each strategy (rank 0 prints JSON lines)."""
     from mpi4py import MPI
 
+    from mpidist.core.mesh import ProcessMesh
     from mpidist.data import TextCorpus
-    from mpidist.mesh import ProcessMesh
     from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
     from mpidist.optim import AdamW
     from mpidist.parallel import ShardingConfiguration

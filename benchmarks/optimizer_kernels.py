@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 import mpidist.optim as optim
-from mpidist.kernels import cpu
+from mpidist.optim.kernels import cpu
 
 
 def interleaved(jobs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

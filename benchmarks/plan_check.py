@@ -63,11 +63,11 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mpidist import collectives as C  # noqa: E402
-from mpidist import plan as P  # noqa: E402
+from mpidist.core import collectives as C  # noqa: E402
 from mpidist.nn import GPT, GPTConfig  # noqa: E402
 from mpidist.optim import Adam  # noqa: E402
 from mpidist.parallel import STRATEGIES, ShardingConfiguration  # noqa: E402
+from mpidist.parallel import plan as P  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -237,7 +237,7 @@ def two_level(args: argparse.Namespace, topo, n_params: int) -> int:
 def main(args: argparse.Namespace) -> int:
     if SIZE < 2:
         raise ValueError("run under mpiexec -n 2 (or more): communication needs 2 ranks")
-    from mpidist.topology import topology
+    from mpidist.core.topology import topology
 
     topo = topology(COMM)
     if topo.map.two_level:
@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from mpidist.launch import abort_on_failure
+    from mpidist.run.launch import abort_on_failure
 
     with abort_on_failure():
         sys.exit(main(ARGS))

@@ -62,7 +62,7 @@ from mpi4py import MPI  # noqa: E402
 from torch_models import make_model  # noqa: E402
 
 import mpidist.torch as mt  # noqa: E402
-from mpidist import collectives as C  # noqa: E402
+from mpidist.core import collectives as C  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -243,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from mpidist.launch import abort_on_failure
+    from mpidist.run.launch import abort_on_failure
 
     with abort_on_failure():
         sys.exit(main(ARGS))

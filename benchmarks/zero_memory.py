@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.mesh import ProcessMesh
+from mpidist.core.mesh import ProcessMesh
 from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
 from mpidist.optim import Adam
 from mpidist.parallel import STRATEGIES, ShardingConfiguration

@@ -1,13 +1,15 @@
 """mpidist: MPI-native distributed training.
 
-The public API is re-exported here; see the submodules for the details.
+The public API is re-exported here; see the submodules for the details. The communication
+core (``mpidist.core``: mesh, comms, collectives, topology, buffers, devices) is re-exported
+module by module, so ``from mpidist import collectives as C`` works as it always has.
 """
 
-from mpidist import collectives, data, nn, optim
+from mpidist import data, nn, optim
 from mpidist._version import __version__
-from mpidist.buffers import Bucket, FlatBuffer, ShardedLayout
-from mpidist.launch import abort_on_failure, detect_environment
-from mpidist.mesh import ProcessMesh, layout
+from mpidist.core import buffers, collectives, comms, devices, mesh, topology
+from mpidist.core.buffers import Bucket, FlatBuffer, ShardedLayout
+from mpidist.core.mesh import ProcessMesh, layout
 from mpidist.parallel import (
     AsyncSGDOptimizer,
     DDPModel,
@@ -27,6 +29,7 @@ from mpidist.parallel import (
     ZeRO3Model,
     ZeRO3Optimizer,
 )
+from mpidist.run.launch import abort_on_failure, detect_environment
 
 __all__ = [
     "AsyncSGDOptimizer",
@@ -52,10 +55,15 @@ __all__ = [
     "ZeRO3Optimizer",
     "__version__",
     "abort_on_failure",
+    "buffers",
     "collectives",
+    "comms",
     "data",
     "detect_environment",
+    "devices",
     "layout",
+    "mesh",
     "nn",
     "optim",
+    "topology",
 ]

@@ -14,16 +14,16 @@ ROOT = Path(__file__).resolve().parents[1] / "mpidist"
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 90
 
-# DESIGN.md: mesh/collectives/buffers/checkpoint <- kernels/optim <- nn <- parallel <- run <-
-# torch/launch/cli. data and the small helpers at the package root sit at the bottom; the
-# subcommands beside the CLI at the top.
+# DESIGN.md: core (mesh, comms, collectives, topology, buffers, devices)/checkpoint/data <-
+# optim (with its kernels) <- nn <- parallel (with the planner and the adapters) <- run (with
+# the launcher) <- torch/cli.
 LAYERS: dict[str, int] = {
-    "_version": 0, "_comm": 0, "comms": 0, "devices": 0, "topology": 0, "mesh": 0,
-    "collectives": 0,
-    "buffers": 0, "checkpoint": 0,
-    "data": 0, "kernels": 1, "optim": 1, "nn": 2, "parallel": 3, "plan": 3, "run": 4,
-    "torch": 5, "adapters": 5, "launch": 5, "cli": 5, "train": 5, "demo": 5, "tools_cli": 5,
+    "_version": 0, "core": 0, "checkpoint": 0, "data": 0,
+    "optim": 1, "nn": 2, "parallel": 3, "run": 4, "torch": 5, "cli": 5,
 }
+# At most 12 entries directly under mpidist/ (__init__.py, _version.py and py.typed
+# included): the packages above, each a layer.
+MAX_TOP_LEVEL = 12
 
 
 def _modules() -> dict[str, Path]:
@@ -37,6 +37,14 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+
+def test_top_level_is_small_and_every_package_has_a_layer():
+    entries = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= MAX_TOP_LEVEL, entries
+    unlisted = [e for e in entries if e.removesuffix(".py") not in LAYERS
+                and e not in ("__init__.py", "py.typed")]
+    assert not unlisted, f"not given a layer in LAYERS: {unlisted}"
 
 
 def _layer(module: str) -> int | None:

@@ -14,7 +14,7 @@ from mpidist.checkpoint.format import (
     CheckpointMismatchError,
     CorruptCheckpointError,
 )
-from mpidist.comms import size_rank
+from mpidist.core.comms import size_rank
 
 __all__ = ["ERRORS", "IO_MODES", "Failure", "agree", "capture_failure", "describe_error",
            "first_failure", "fsync_path", "h5py_module", "io_mode", "size_rank"]

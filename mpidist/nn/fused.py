@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.kernels import is_device_array
+from mpidist.optim.kernels import is_device_array
 
 from . import blas as _blas
 

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from mpidist.kernels import cuda as K
-from mpidist.kernels import is_device_array
+from mpidist.optim.kernels import cuda as K
+from mpidist.optim.kernels import is_device_array
 
 __all__ = [
     "bias_gelu",

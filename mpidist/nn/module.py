@@ -2,7 +2,7 @@
 
 A module *declares* its parameters (name, shape, init recipe) when it is constructed but holds
 no storage. :meth:`Module.bind` points each parameter and gradient at arrays supplied by the
-caller — normally views into two :class:`~mpidist.buffers.FlatBuffer` objects with identical
+caller — normally views into two :class:`~mpidist.core.buffers.FlatBuffer` objects with identical
 layouts — and :meth:`Module.unbind` drops them again (ZeRO-3 frees a gathered unit this way).
 
 Every module knows its full dotted prefix in the tree (``"blocks.0.attn."``), so a sub-tree
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.buffers import FlatBuffer
+from mpidist.core.buffers import FlatBuffer
 
 from .init import init_value
 

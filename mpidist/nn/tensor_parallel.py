@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
 
 from .init import fan_in_bound, init_value
 from .layers import GELU, Embedding, Linear, ReLU, Tanh, matmul_rows

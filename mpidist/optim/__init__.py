@@ -1,4 +1,4 @@
-"""Optimizers on flat shards, each update ONE fused kernel (see :mod:`mpidist.kernels`).
+"""Optimizers on flat shards, each update ONE fused kernel (see :mod:`mpidist.optim.kernels`).
 
 ``SGD``, ``Adam``, ``AdamW``, ``RMSprop``, ``Adagrad`` follow ``torch.optim``'s algorithms,
 parameter names and defaults; ``Lion`` follows the paper and ``lion-pytorch``. The formulas
@@ -18,7 +18,7 @@ One registry: :data:`OPTIMIZERS` (name -> class) is what the command line, the T
 configuration, the planner and :func:`warm_up` read. An optimizer is one module: its
 hyperparameters and state names (an :class:`Optimizer` dataclass), its element-wise update
 body, written once and compiled both as the CPU kernel and as the CUDA kernel
-(:class:`mpidist.kernels.Update`), and the ``fused_*`` function that derives the body's
+(:class:`mpidist.optim.kernels.Update`), and the ``fused_*`` function that derives the body's
 scalars. A new optimizer is that module plus its line in :data:`OPTIMIZERS`.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import kernels
+from mpidist.optim import kernels
 from mpidist.optim.adagrad import Adagrad, fused_adagrad
 from mpidist.optim.adam import Adam, AdamW, fused_adam
 from mpidist.optim.base import Optimizer, OptimizerState
@@ -97,7 +97,7 @@ def from_config(config: dict[str, Any]) -> Optimizer:
 
 
 def warm_up(dtypes: tuple[Any, ...] = (np.float32, np.float64)) -> None:
-    """Compile every optimizer's CPU kernel (and mpidist.kernels' own) for each dtype on tiny
+    """Compile every optimizer's CPU kernel (and mpidist.optim.kernels' own) for each dtype on tiny
     arrays, filling Numba's on-disk cache, so that MPI ranks started later load the kernels
     instead of compiling them all at once. Not collective; run it once before launching
     many ranks (``make warm``)."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mpidist import kernels
+from mpidist.optim import kernels
 
 __all__ = ["Optimizer", "OptimizerState"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import kernels
+from mpidist.optim import kernels
 
 __all__ = ["clip_coefficient", "clip_scale", "global_norm"]
 
@@ -43,7 +43,7 @@ def global_norm(grad_shards: Any, *, comm: Any = None) -> float:
     for g in _as_list(grad_shards):
         ss += kernels.sum_of_squares(g)
     if comm is not None:
-        from mpidist.collectives import allreduce  # imported lazily: optional at import time
+        from mpidist.core.collectives import allreduce  # imported lazily: optional at import time
 
         buf = np.array([ss], dtype=np.float64)
         allreduce(buf, op="sum", comm=comm)

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 from numba import prange
 from numba.extending import register_jitable
 
-from mpidist import kernels
-from mpidist.kernels.cpu import loop
+from mpidist.optim import kernels
 from mpidist.optim.base import Optimizer, OptimizerState, check_bool, check_real
+from mpidist.optim.kernels.cpu import loop
 
 __all__ = ["RMSprop", "fused_rmsprop"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.buffers import shard_size
+from mpidist.core.buffers import shard_size
 from mpidist.parallel.codecs import PowerSGDCodec, TopKCodec, decode16, encode16
 from mpidist.parallel.exchange import CountingComm, RequestChain, iallgather, iallreduce
 from mpidist.parallel.hooks import GradientHook, check_int

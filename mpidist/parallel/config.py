@@ -19,7 +19,7 @@ class ShardingConfiguration:
     """Settings shared by every strategy. Unknown fields are rejected with a ValueError.
 
     Attributes:
-        mesh: the :class:`~mpidist.mesh.ProcessMesh` to run on; None: the strategy's entry
+        mesh: the :class:`~mpidist.core.mesh.ProcessMesh` to run on; None: the strategy's entry
             point (a ``...Optimizer`` or ``...Model`` constructor) builds one on the
             communicator it is given as ``comm=``, and on ``MPI.COMM_WORLD`` when it is
             given none — resolved there, never deeper.

@@ -22,7 +22,7 @@ tp fixed, on a communicator whose membership may change between steps:
   replicated buffer (DDP state, ZeRO-1/2 parameters) is re-laid-out locally on the workers
   that stay in their column and sent to the others (joiners, workers whose column changed)
   in pieces, one from each old worker of the column. The strategy's model is rebuilt on a
-  new :class:`~mpidist.mesh.ProcessMesh` (pp, dp, tp) over the new communicator.
+  new :class:`~mpidist.core.mesh.ProcessMesh` (pp, dp, tp) over the new communicator.
 * **Hooks.** Before anything moves, :meth:`GradientHook.before_resize
   <mpidist.parallel.hooks.GradientHook.before_resize>` makes the hook's state fit
   (collective over the old workers): async SGD applies its in-flight gradients, Local SGD
@@ -41,7 +41,7 @@ residuals reset).
 A change that would leave fewer than ``min_workers`` or more than ``max_workers``, a number
 of workers that is not a multiple of pp*tp, or a dp size the hook cannot run on (Local SGD's
 replicas must divide it) is refused (logged, an event, training goes on). Crashes (a worker
-killed) end the whole Open MPI job; :mod:`mpidist.launch.supervisor` restarts it from the
+killed) end the whole Open MPI job; :mod:`mpidist.run.launch.supervisor` restarts it from the
 last checkpoint.
 
 Events (``leave``, ``join``, ``resize``, ``refused``) go to the log and, when ``events`` is
@@ -61,8 +61,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.comms import bcast_json, in_place, mpi, world
-from mpidist.mesh import MeshShape
+from mpidist.core.comms import bcast_json, in_place, mpi, world
+from mpidist.core.mesh import MeshShape
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.engine import ShardedOptimizer
@@ -272,7 +272,7 @@ class ElasticOptimizer(ShardedOptimizer):
         workers inside their :meth:`maybe_rescale`, and receives parameters, optimizer
         state, step counts and the data position from them.
         """
-        from mpidist.mesh import ProcessMesh
+        from mpidist.core.mesh import ProcessMesh
 
         self._module = module
         self._seed = int(seed)
@@ -319,7 +319,7 @@ class ElasticOptimizer(ShardedOptimizer):
     def _rebuild(self, comm: Any) -> ShardedModel:
         """The model on a new membership, without initial values (the state is about to
         be moved in, so computing them would be wasted work). Collective over ``comm``."""
-        from mpidist.mesh import ProcessMesh
+        from mpidist.core.mesh import ProcessMesh
 
         mesh = ProcessMesh(comm, pp=self.shape.pp, tp=self.shape.tp)
         self.shape = mesh.shape

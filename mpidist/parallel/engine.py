@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mpidist import collectives as C
-from mpidist.comms import world
+from mpidist.core import collectives as C
+from mpidist.core.comms import world
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.optim.clipping import clip_coefficient

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.comms import mpi, size_rank
+from mpidist.core.comms import mpi, size_rank
 
 __all__ = ["CountingComm", "RequestChain", "iallgather", "iallreduce"]
 
@@ -44,7 +44,7 @@ class CountingComm:
     the whole buffer for (all)reduce, this rank's segment for an in-place allgather, and
     the counts addressed to other ranks for ``Alltoallv``. Everything else (``Get_size``,
     ``Get_rank``...) is forwarded unchanged, so the proxy can be passed as ``comm=`` to
-    :mod:`mpidist.collectives`. ``calls`` counts MPI calls, ``bytes`` the bytes sent.
+    :mod:`mpidist.core.collectives`. ``calls`` counts MPI calls, ``bytes`` the bytes sent.
     """
 
     def __init__(self, comm: Any, *, totals: CountingComm | None = None) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
 from mpidist.parallel.exchange import CountingComm, RequestChain, iallreduce
 
 __all__ = ["AllReduce", "AsyncSGD", "GradientHook", "LocalSGD", "RankState", "ReduceScatter",

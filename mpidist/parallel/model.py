@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
-from mpidist.buffers import Bucket
-from mpidist.comms import world
-from mpidist.mesh import MeshShape, resolve_shape
+from mpidist.core import collectives as C
+from mpidist.core.buffers import Bucket
+from mpidist.core.comms import world
+from mpidist.core.mesh import MeshShape, resolve_shape
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.pipeline import BALANCES, cut_stages
@@ -242,7 +242,7 @@ class ShardedModel:
             )
 
     def _make_mesh(self, comm: Any) -> None:
-        from mpidist.mesh import ProcessMesh
+        from mpidist.core.mesh import ProcessMesh
 
         self._owns_mesh = self.config.mesh is None
         self.mesh = self.config.mesh if self.config.mesh is not None else ProcessMesh(

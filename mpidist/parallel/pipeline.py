@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
-from mpidist.comms import size_rank
+from mpidist.core import collectives as C
+from mpidist.core.comms import size_rank
 
 __all__ = [
     "SCHEDULES",

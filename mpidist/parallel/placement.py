@@ -9,7 +9,7 @@ One :class:`Placement` describes a model on a (pp, dp, tp) mesh at a sharding le
   on every tp rank;
 * **dp** — the stage's tensors are packed unit by unit into one flat buffer, each unit
   padded to a multiple of the shard group's size (``layout``, a
-  :class:`~mpidist.buffers.ShardedLayout`); at level >= 1 a rank keeps only its shard of
+  :class:`~mpidist.core.buffers.ShardedLayout`); at level >= 1 a rank keeps only its shard of
   every unit's optimizer state, at level >= 2 of its gradients, at level 3 of its
   parameters.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
-from mpidist.buffers import ShardedLayout
+from mpidist.core import collectives as C
+from mpidist.core.buffers import ShardedLayout
 
 __all__ = ["LEVELS", "LEVEL_NAMES", "Placement"]
 

@@ -67,7 +67,7 @@ def _mesh(config: Any, comm: Any, dp: int) -> Any:
     for (collective over ``comm``)."""
     if config.mesh is not None or (comm is None and dp == -1):
         return config
-    from mpidist.mesh import ProcessMesh
+    from mpidist.core.mesh import ProcessMesh
 
     return config.replace(mesh=ProcessMesh(comm, dp=dp))
 

@@ -4,7 +4,7 @@ Nothing here communicates; :mod:`mpidist.parallel.elastic` runs it on every work
 same numbers, so every worker takes the same decision and the plans of all members fit
 together (what member i sends to j is what j expects from i).
 
-A mesh of ``n`` workers has dims (pp, dp, tp), tp fastest (:func:`mpidist.mesh.layout`):
+A mesh of ``n`` workers has dims (pp, dp, tp), tp fastest (:func:`mpidist.core.mesh.layout`):
 ``rank = (stage*dp + d)*tp + t`` with ``dp = n // (pp*tp)``. A **column** is one
 (stage, tp rank) pair, numbered ``stage*tp + t``: its ``dp`` ranks hold the same tensors
 (those of the stage, in tp rank t's slices), sharded or replicated over dp. A resize keeps
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpidist.buffers import padded_length
+from mpidist.core.buffers import padded_length
 
 __all__ = ["Plan", "ResizeDecision", "column_of", "decide", "membership", "owned",
            "transfer_plan"]

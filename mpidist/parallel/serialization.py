@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mpidist._version import __version__
-from mpidist.buffers import ShardedLayout
+from mpidist.core.buffers import ShardedLayout
 
 __all__ = ["FORMAT", "VERSION", "dumps", "loads", "model_fingerprint"]
 

@@ -25,7 +25,7 @@ from mpidist.run.config import TrainConfig
 
 __all__ = ["TARGET_FILE", "ElasticHook", "elastic_bounds"]
 
-log = logging.getLogger("mpidist.train")
+log = logging.getLogger("mpidist.cli.train")
 
 TARGET_FILE = "elastic-target"
 

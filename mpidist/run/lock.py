@@ -39,7 +39,7 @@ from typing import Any
 __all__ = ["LEASE_SECONDS", "LOCK_NAME", "STALE_LEASES", "TOKEN_ENV", "LockHeldError",
            "RunLock", "describe_holder", "lease_seconds", "read_lock", "stale_reason"]
 
-log = logging.getLogger("mpidist.train")
+log = logging.getLogger("mpidist.cli.train")
 
 LOCK_NAME = "run.lock"
 #: Seconds between two renewals of the lease.

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist import collectives as C
-from mpidist.comms import world
+from mpidist.core import collectives as C
+from mpidist.core.comms import world
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
@@ -44,7 +44,7 @@ from mpidist.run.preempt import (
 
 __all__ = ["EXIT_PREEMPTED", "run_training"]
 
-log = logging.getLogger("mpidist.train")
+log = logging.getLogger("mpidist.cli.train")
 
 _MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak")
 _EVAL_SEED = 1234

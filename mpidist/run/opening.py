@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpidist.comms import bcast_json
+from mpidist.core.comms import bcast_json
 from mpidist.run.config import TrainConfig
 from mpidist.run.directory import inspect_out
 from mpidist.run.lock import TOKEN_ENV, RunLock

@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["JsonLines", "Progress", "plot_losses", "print_summary", "write_summary"]
 
-log = logging.getLogger("mpidist.train")
+log = logging.getLogger("mpidist.cli.train")
 
 
 class JsonLines:

@@ -28,7 +28,7 @@ import numpy as np
 __all__ = ["EXIT_PREEMPTED", "PREEMPT_SIGNALS", "Preemption", "requeue_slurm_job",
            "requeued_start"]
 
-log = logging.getLogger("mpidist.train")
+log = logging.getLogger("mpidist.cli.train")
 
 #: Exit status of a preempted run (EX_TEMPFAIL of sysexits.h: "try again later"): every
 #: rank finished the same step and the checkpoint of that step is complete.

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpidist import collectives as C
-from mpidist.comms import world
+from mpidist.core import collectives as C
+from mpidist.core.comms import world
 
 __all__ = [
     "REDUCIBLE",
@@ -31,7 +31,7 @@ __all__ = [
     "resolve_comm",
 ]
 
-# Reductions run in MPI on these element types (mpidist.collectives' reducible types).
+# Reductions run in MPI on these element types (mpidist.core.collectives' reducible types).
 REDUCIBLE = (torch.float32, torch.float64)
 
 

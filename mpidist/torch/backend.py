@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpidist.comms import mpi
-from mpidist.launch.guard import abort_with
+from mpidist.core.comms import mpi
+from mpidist.run.launch.guard import abort_with
 from mpidist.torch import ops, rendezvous
 from mpidist.torch._common import agree
 from mpidist.torch.process_group import BACKEND, ProcessGroupMPI, live_communicators

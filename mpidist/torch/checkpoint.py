@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mpidist import checkpoint as ckpt
-from mpidist.buffers import row_range
+from mpidist.core.buffers import row_range
 from mpidist.torch._common import numpy_dtype, resolve_comm
 from mpidist.torch.ddp import DistributedDataParallel
 from mpidist.torch.zero import ZeroRedundancyOptimizer

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mpidist import collectives as C
-from mpidist.buffers import TensorSpec, make_buckets
+from mpidist.core import collectives as C
+from mpidist.core.buffers import TensorSpec, make_buckets
 from mpidist.torch._common import (
     agree,
     broadcast_tensors,
@@ -279,7 +279,7 @@ def _wrap_error(module: torch.nn.Module, device_ids: Any, bucket_cap_mb: Any) ->
 
 def _make_buckets(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
     """Buckets of consecutive parameters in reverse registration order, one dtype and device
-    each (mpidist.buffers.make_buckets over each dtype's parameters), the first of each at
+    each (mpidist.core.buffers.make_buckets over each dtype's parameters), the first of each at
     most 1 MiB and the others at most ``cap`` bytes (a larger parameter gets a bucket of its
     own); ordered by when backward fills them."""
     kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as _dist
 import torch.utils.data
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
 from mpidist.torch import backend as _backend
 from mpidist.torch import rendezvous as _rendezvous
 from mpidist.torch._common import host_view, resolve_comm

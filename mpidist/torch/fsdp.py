@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from mpidist import collectives as C
-from mpidist.buffers import row_range, shard_size
+from mpidist.core import collectives as C
+from mpidist.core.buffers import row_range, shard_size
 from mpidist.optim.clipping import clip_coefficient
 from mpidist.torch._common import agree, broadcast_tensors, host_view, overlap, resolve_comm
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpidist.comms import mpi
+from mpidist.core.comms import mpi
 
 __all__ = [
     "CommThread",
@@ -78,7 +78,7 @@ _BOOL_OPS = {
     RedOpType.BXOR: "LXOR",
 }
 _BITWISE = {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
-# Reductions mpidist.collectives runs (on its reducible types): op -> its name there. AVG is
+# Reductions mpidist.core.collectives runs (on its reducible types): op -> its name there. AVG is
 # a sum there, divided here (once, truncated for integers); PREMUL_SUM's inputs are scaled
 # before.
 _PLAIN_OPS = {RedOpType.SUM: "sum", RedOpType.AVG: "sum", RedOpType.PREMUL_SUM: "sum",
@@ -98,7 +98,7 @@ _WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def words_array(t: torch.Tensor) -> Any:
     """A NumPy view of a contiguous CPU tensor's bytes as integer words of its element size
-    (8-byte words for larger elements): what mpidist.collectives moves bit for bit."""
+    (8-byte words for larger elements): what mpidist.core.collectives moves bit for bit."""
     flat = t.detach().reshape(-1)
     size = t.element_size()
     word = _WORD_TYPES.get(size, torch.int64 if size % 8 == 0 else torch.uint8)
@@ -213,7 +213,7 @@ class Reduction:
         if self.datatype is None:
             raise ValueError(f"{what}: the mpidist backend cannot reduce {dtype} tensors")
         self.avg = kind == RedOpType.AVG
-        # the op mpidist.collectives runs for this reduction (None: MPI's own op, here)
+        # the op mpidist.core.collectives runs for this reduction (None: MPI's own op, here)
         self.plain = _PLAIN_OPS.get(kind) if self.wire in _PLAIN_TYPES else None
         self.factor: Any = op.factor if kind == RedOpType.PREMUL_SUM else None
         self.name = name

@@ -1,7 +1,7 @@
 """The process group of the "mpidist" backend: each torch.distributed operation as MPI calls
 on the group's own communicators (see :mod:`mpidist.torch.backend` for the whole picture).
-Sums, minima and maxima of the types mpidist.collectives reduces, all-gathers and broadcasts
-are mpidist.collectives' calls (two levels across nodes); the rest are MPI's own.
+Sums, minima and maxima of the types mpidist.core.collectives reduces, all-gathers and broadcasts
+are mpidist.core.collectives' calls (two levels across nodes); the rest are MPI's own.
 
 Argument conventions are those of torch's ``ProcessGroup`` methods, which torch's Python
 API and its C++ callers (DDP's reducer, functional collectives) invoke: lists of tensors and
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # the options classes torch passes
 
-from mpidist import collectives as C
-from mpidist.comms import mpi
+from mpidist.core import collectives as C
+from mpidist.core.comms import mpi
 from mpidist.torch import ops
 from mpidist.torch._common import overlap
 from mpidist.torch.mixed import handoff, make_backend, parse_config

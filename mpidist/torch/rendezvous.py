@@ -31,7 +31,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import torch.distributed as dist
 
-from mpidist.comms import mpi
+from mpidist.core.comms import mpi
 
 __all__ = ["agree_with_mpi", "check_srun", "check_world", "install", "launched_by_mpi",
            "mpi_store"]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
 from mpidist.torch._common import agree, host_view, resolve_comm
 
 __all__ = ["ZeroRedundancyOptimizer"]

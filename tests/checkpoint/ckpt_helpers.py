@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.buffers import ShardedLayout
 from mpidist.checkpoint import Piece, TensorInfo
+from mpidist.core.buffers import ShardedLayout
 
 # Odd sizes on purpose: shards never line up with rows.
 UNITS = [

@@ -1,4 +1,4 @@
-"""`mpidist diff` as a user runs it (`python -m mpidist`): the tensors that differ, a summary
+"""`mpidist diff` as a user runs it (`python -m mpidist.cli`): the tensors that differ, a summary
 line, and diff(1)'s exit status: 0 the same, 1 different, 2 trouble."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from test_ckpt_tools import save
 
 
 def mpidist(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpidist", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mpidist.cli", *args], capture_output=True,
                           text=True, timeout=120)
 
 

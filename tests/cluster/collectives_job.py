@@ -12,9 +12,9 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from mpidist import collectives as C
-from mpidist.mesh import ProcessMesh
-from mpidist.topology import topology
+from mpidist.core import collectives as C
+from mpidist.core.mesh import ProcessMesh
+from mpidist.core.topology import topology
 
 
 def check_collectives(comm) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from mpidist.buffers import FlatBuffer
+from mpidist.core.buffers import FlatBuffer
 from mpidist.nn import (
     GELU,
     GPT,

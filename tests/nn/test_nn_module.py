@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpidist.buffers import FlatBuffer
+from mpidist.core.buffers import FlatBuffer
 from mpidist.nn import (
     GPT,
     MLP,

@@ -49,7 +49,7 @@ def test_bad_max_norm(bad):
 
 def test_clip_scale_with_a_size_one_communicator():
     mpi4py = pytest.importorskip("mpi4py")
-    pytest.importorskip("mpidist.collectives")
+    pytest.importorskip("mpidist.core.collectives")
     from mpi4py import MPI
 
     assert mpi4py

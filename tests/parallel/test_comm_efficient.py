@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from strategy_helpers import make_case
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
+from mpidist.core.mesh import ProcessMesh
 from mpidist.data import TextCorpus
-from mpidist.mesh import ProcessMesh
 from mpidist.optim import SGD
 from mpidist.parallel import (
     AsyncSGDOptimizer,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from strategy_helpers import make_case
 
-from mpidist.buffers import Bucket, ShardedLayout
+from mpidist.core.buffers import Bucket, ShardedLayout
 from mpidist.optim import SGD
 from mpidist.parallel import (
     AsyncSGDOptimizer,
@@ -151,7 +151,7 @@ def test_arguments_are_validated():
 def _run(factory, steps=6, kind="gpt"):
     from mpi4py import MPI
 
-    from mpidist.mesh import ProcessMesh
+    from mpidist.core.mesh import ProcessMesh
 
     make_model, data, loss, make_opt = make_case(kind)
     cfg = ShardingConfiguration(mesh=ProcessMesh(MPI.COMM_SELF), dtype="float64",

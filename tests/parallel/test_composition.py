@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from strategy_helpers import make_case
 
+from mpidist.core.mesh import ProcessMesh
 from mpidist.data import GlobalBatchSampler
-from mpidist.mesh import ProcessMesh
 from mpidist.parallel import (
     STRATEGIES,
     AsyncSGD,

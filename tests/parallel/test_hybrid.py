@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpidist import collectives as C
+from mpidist.core import collectives as C
+from mpidist.core.mesh import ProcessMesh
 from mpidist.data import GlobalBatchSampler, TextCorpus
-from mpidist.mesh import ProcessMesh
 from mpidist.nn import GPT, MLP, CrossEntropyLoss, GPTConfig, MSELoss
 from mpidist.optim import AdamW
 from mpidist.parallel import DDPOptimizer, HybridShardedOptimizer, ShardingConfiguration

@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from mpidist.mesh import ProcessMesh
+from mpidist.core.mesh import ProcessMesh
 from mpidist.nn import MLP, MSELoss
 from mpidist.optim import Adam
 from mpidist.parallel import STRATEGIES, ShardingConfiguration

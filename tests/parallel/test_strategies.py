@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from strategy_helpers import GPT_CONFIG, make_case, reference_run
 
-from mpidist import collectives as C
-from mpidist.mesh import ProcessMesh
+from mpidist.core import collectives as C
+from mpidist.core.mesh import ProcessMesh
 from mpidist.nn import GPT, Linear
 from mpidist.optim import Adam
 from mpidist.parallel import STRATEGIES, ShardingConfiguration, ZeRO3Optimizer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from strategy_helpers import make_case, reference_run
 
-from mpidist.mesh import ProcessMesh
+from mpidist.core.mesh import ProcessMesh
 from mpidist.optim import SGD
 from mpidist.parallel import (
     STRATEGIES,
@@ -173,7 +173,7 @@ def test_communication_efficient_exact_variants_equal_ddp(comm, variant):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("variant", sorted(LOSSY))
 def test_communication_efficient_lossy_variants_accept_any_size(comm, variant):
-    from mpidist import collectives as C
+    from mpidist.core import collectives as C
 
     if B % comm.Get_size() == 0:
         pytest.skip("the split is even")

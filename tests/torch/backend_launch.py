@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mpidist.torch  # noqa: F401 - registers the backend
-from mpidist import topology
+from mpidist.core import topology
 
 
 def report(**fields) -> None:

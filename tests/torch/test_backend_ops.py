@@ -322,7 +322,7 @@ def test_unsupported_is_a_clear_error_before_communicating(world):
 
 @pytest.mark.mpi(min_size=2)
 def test_debug_check_names_the_ranks_that_differ(world):
-    from mpidist import collectives as C
+    from mpidist.core import collectives as C
 
     rank, n = world
     previous = C.set_debug(True)
@@ -486,9 +486,9 @@ def test_overlap_runs_async_calls_on_a_thread_in_issue_order(world, monkeypatch)
 
 @pytest.mark.mpi(min_size=4)
 def test_collectives_take_two_levels_across_nodes(world, monkeypatch):
-    """The backend's reductions and gathers are mpidist.collectives': on a group spanning
+    """The backend's reductions and gathers are mpidist.core.collectives': on a group spanning
     nodes (declared here: two halves) they run in two levels, with the flat results."""
-    from mpidist import topology
+    from mpidist.core import topology
 
     rank, n = world
     if n % 2:
