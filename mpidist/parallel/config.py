@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardingConfiguration"]
+__all__ = ["RECOMPUTE", "ShardingConfiguration"]
 
 _DTYPES = ("float32", "float64")
+#: activation checkpointing choices
+RECOMPUTE = ("none", "blocks")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class ShardingConfiguration:
         auto_sync_gradients: whether the wrapped model's ``backward`` synchronises
             gradients by itself (DDPModel); when False the caller calls ``sync_gradients``.
         prefetch: ZeRO-3 starts the allgather of the next unit while the current one runs.
+        recompute: activation checkpointing: "none" keeps every activation for backward;
+            "blocks" keeps only each unit's input and recomputes the unit's forward just
+            before its backward (exact: the same operations run again).
     """
 
     mesh: Any = None
@@ -44,6 +49,7 @@ class ShardingConfiguration:
     dtype: str = "float32"
     auto_sync_gradients: bool = True
     prefetch: bool = True
+    recompute: str = "none"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ShardingConfiguration:
         known = [f.name for f in fields(cls)]
@@ -72,6 +78,8 @@ class ShardingConfiguration:
         if dt not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
         object.__setattr__(self, "dtype", dt)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         for name in ("overlap", "auto_sync_gradients", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -32,15 +32,10 @@ from mpidist.optim.clipping import clip_coefficient
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.loop import run_steps
-from mpidist.parallel.model import (
-    ShardedModel,
-    check_loss,
-    resolve_mesh_shape,
-    tensor_parallel_styles,
-    vocab_sharded,
-)
+from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule
 from mpidist.parallel.placement import LEVEL_NAMES, LEVELS
+from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 from mpidist.parallel.training_state import TrainingStateMixin
 
 __all__ = ["OptimizationResult", "ShardedOptimizer"]
@@ -327,7 +322,7 @@ class ShardedOptimizer(TrainingStateMixin):
         if train:
             model.last_pipeline_stats = runner.stats
         else:  # evaluation keeps no activations
-            model.local_module.clear_cache()
+            model.clear_cache()
             model.stage_loss(self.loss).clear_cache()
         return total
 
@@ -422,7 +417,7 @@ class ShardedOptimizer(TrainingStateMixin):
                 continue
             out = model.forward(x, ctx="eval")
             total[0] += loss.forward(out, y, normalizer=normalizer, ctx="eval")
-            model.local_module.clear_cache()
+            model.clear_cache()
             loss.clear_cache()
         C.allreduce(total, "sum", comm=model.loss_comm)
         return float(total[0])

@@ -35,6 +35,7 @@ from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.pipeline import BALANCES, cut_stages
 from mpidist.parallel.placement import Placement
+from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
 
@@ -84,40 +85,6 @@ def resolve_mesh_shape(config: ShardingConfiguration, comm: Any = None, pp: int 
             )
         return s
     return resolve_shape(world(comm).Get_size(), pp, tp, dp)
-
-
-def tensor_parallel_styles(module: Any, plan: Any, tp: int) -> dict[str, Any]:
-    """``{layer: style}`` of ``plan`` (default: the model's own) on ``module`` at tensor
-    size ``tp``; the one-line ValueError of a plan that does not fit, or splits nothing.
-    Pure."""
-    from mpidist.nn.tp_plan import check_plan, default_plan
-
-    styles = check_plan(module, plan if plan is not None else default_plan(module), tp)
-    if not styles:
-        raise ValueError(f"tensor_parallel_size={tp}: the tensor-parallel plan splits no "
-                         f"layer of the {type(module).__name__}")
-    return styles
-
-
-def vocab_sharded(module: Any, styles: dict[str, Any]) -> bool:
-    """Whether the plan leaves the model's output sharded over the vocabulary (a
-    vocab-parallel layer that is not an embedding). Pure."""
-    from mpidist.nn.layers import Embedding
-    from mpidist.nn.tp_plan import VocabParallel
-
-    layers = dict(module.named_modules())
-    return any(isinstance(style, VocabParallel) and not isinstance(layers.get(name), Embedding)
-               for name, style in styles.items())
-
-
-def check_loss(loss: Any, tp: int) -> None:
-    """A vocabulary-sharded output needs :class:`CrossEntropyLoss` (computed vocab-parallel);
-    ValueError naming the loss otherwise. Pure."""
-    from mpidist.nn import CrossEntropyLoss
-
-    if not isinstance(loss, CrossEntropyLoss):
-        raise ValueError(f"tensor_parallel_size={tp} needs CrossEntropyLoss (computed "
-                         f"vocab-parallel); got {type(loss).__name__}")
 
 
 class ShardedModel:
@@ -202,6 +169,8 @@ class ShardedModel:
         self._sync_enabled = True
         self._loss_cache: tuple[Any, Any] | None = None
         self.last_pipeline_stats: Any = None
+        self._recompute = self.config.recompute == "blocks"
+        self._kept: dict[tuple[int, Any], Any] = {}
         self._allocate()
         if initialize:
             self._initialize()
@@ -235,6 +204,17 @@ class ShardedModel:
                 f"ZeRO-{self.level} shards parameters unit by unit and does not support "
                 f"parameters shared between units (tied weights): {tied}"
             )
+        if self.config.recompute != "none":
+            from mpidist.nn.layers import Dropout
+
+            drops = [n for n, m in self.module.named_modules()
+                     if isinstance(m, Dropout) and m.p > 0]
+            if drops:
+                raise ValueError(
+                    f"recompute={self.config.recompute!r} with dropout ({drops[0]}, p > 0) is "
+                    "not supported: masks are drawn in sequence, so a recomputed forward "
+                    "would draw different ones"
+                )
         if self.level == 3 and not has_units(self.module):
             raise ValueError(
                 f"ZeRO-3 needs a model made of units (a .units list of 2 or more); "
@@ -460,13 +440,32 @@ class ShardedModel:
         self.units[u].unbind()
         self._untrack(buf.nbytes)
 
+    # -- activation checkpointing ------------------------------------------------------------
+    def _unit_forward(self, u: int, h: Any, ctx: Any) -> Any:
+        if not self._recompute:
+            return self.units[u].forward(h, ctx)
+        self._kept[(u, ctx)] = h  # only the unit's input stays alive until its backward
+        out = self.units[u].forward(h, ctx)
+        self.units[u].clear_cache(ctx, every=False)
+        return out
+
+    def _unit_backward(self, u: int, dy: Any, ctx: Any) -> Any:
+        if self._recompute:
+            self.units[u].forward(self._kept.pop((u, ctx)), ctx)
+        return self.units[u].backward(dy, ctx)
+
+    def clear_cache(self) -> None:
+        """Forget every activation kept for backward (after an evaluation forward)."""
+        self.local_module.clear_cache()
+        self._kept.clear()
+
     def forward(self, x: Any, ctx: Any = None) -> Any:
         """Forward through this rank's units. Collective over the shard group at level 3
         (each unit gathered just in time, the next one prefetched); not collective else."""
         if self.level < 3:
             h = x
-            for unit in self.units:
-                h = unit.forward(h, ctx)
+            for u in range(len(self.units)):
+                h = self._unit_forward(u, h, ctx)
             return h
         n, prefetch = len(self.units), self.config.prefetch
         pending = self._gather(0)
@@ -476,7 +475,7 @@ class ShardedModel:
             if prefetch and u + 1 < n:
                 pending = self._gather(u + 1)
             self.units[u].bind(self.layout.unit_views(u, buf), None)
-            h = self.units[u].forward(h, ctx)
+            h = self._unit_forward(u, h, ctx)
             self._release(u, buf)
             del buf
             if not prefetch and u + 1 < n:
@@ -493,7 +492,7 @@ class ShardedModel:
             and self.hook.exchanges_in_backward
         overlap = sync and self.config.overlap and self.hook.required()
         for u in range(len(self.units) - 1, -1, -1):
-            dy = self.units[u].backward(dy, ctx)
+            dy = self._unit_backward(u, dy, ctx)
             if overlap:
                 for i, after in enumerate(self._bucket_unit):
                     if after == u:
@@ -522,7 +521,7 @@ class ShardedModel:
             gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
             self._track(gbuf.nbytes)
             self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
-            dy = self.units[u].backward(dy, ctx)
+            dy = self._unit_backward(u, dy, ctx)
             if gathered:
                 self._release(u, buf)
                 del buf

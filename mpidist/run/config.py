@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from mpidist.optim import OPTIMIZERS
+from mpidist.parallel.config import RECOMPUTE
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
@@ -44,6 +45,7 @@ class TrainConfig:
     powersgd_rank: int = 4
     staleness: int = 1
     schedule: str = "1f1b"
+    recompute: str = "none"
     micro_batches: int = 1
     global_batch: int = 32
     steps: int = 600
@@ -84,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r} must be float32 or float64")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule={self.schedule!r} must be gpipe or 1f1b")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         if self.compression not in COMPRESSION_METHODS:
             raise ValueError(f"compression={self.compression!r} is not one of "
                              f"{COMPRESSION_METHODS}")
@@ -219,6 +223,8 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--powersgd-rank", int, None, "rank of the factors (--compression powersgd)"),
     ("--staleness", int, None, "steps a gradient may stay in flight (--strategy async)"),
     ("--schedule", str, ("gpipe", "1f1b"), "pipeline schedule (--pp > 1)"),
+    ("--recompute", str, RECOMPUTE,
+     "activation checkpointing: keep only each block's input, recompute the rest in backward"),
     ("--micro-batches", int, None, "micro-batches per step"),
     ("--global-batch", int, None, "samples per step over all ranks"),
     ("--steps", int, None, "optimizer steps of the whole run"),
