@@ -173,6 +173,14 @@ class CausalSelfAttention(Module):
         return self.qkv.backward(causal_attention_backward(self.proj.backward(dy, ctx), saved),
                                  ctx)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        """The input gradient; the projections keep their inputs and output gradients for
+        :meth:`backward_weight` (the attention's own saved tensors are dropped here)."""
+        saved = self._take(ctx)
+        da = causal_attention_backward(self.proj.backward_input(dy, ctx), saved)
+        del saved
+        return self.qkv.backward_input(da, ctx)
+
 
 class FeedForward(Module):
     """GPT-2 MLP: ``proj(gelu(fc(x)))`` with hidden size ``4 n_embd`` (residual-scaled proj).
@@ -203,6 +211,17 @@ class FeedForward(Module):
         del a
         return self.fc.backward(dh, ctx, bias_grad=False)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        """The input gradient. The GELU output that ``proj``'s weight gradient needs comes
+        out of the derivative's pass (as in :meth:`backward`) and is kept in place of the
+        pre-activation it was computed from; the fc bias gradient, which :meth:`backward`
+        sums in that pass, is left to ``fc``'s :meth:`~Linear.backward_weight` (the same sum
+        of the same array)."""
+        dh, a = self.act.backward_output(self.proj.input_grad(dy), ctx, overwrite=True)
+        self.proj.defer_grad(ctx, a, dy)
+        del a
+        return self.fc.backward_input(dh, ctx)
+
 
 class Block(Module):
     """Pre-LN transformer block: ``x + attn(ln_1(x))`` then ``h + mlp(ln_2(h))``."""
@@ -229,5 +248,12 @@ class Block(Module):
         dh = self.ln_2.backward(self.mlp.backward(dy, ctx), ctx)
         dh += dy
         dx = self.ln_1.backward(self.attn.backward(dh, ctx), ctx)
+        dx += dh
+        return dx
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        dh = self.ln_2.backward_input(self.mlp.backward_input(dy, ctx), ctx)
+        dh += dy
+        dx = self.ln_1.backward_input(self.attn.backward_input(dh, ctx), ctx)
         dx += dh
         return dx

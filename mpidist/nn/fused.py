@@ -48,6 +48,8 @@ __all__ = [
     "get_kernels",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_backward_input",
+    "layer_norm_backward_weight",
     "set_kernels",
     "use_kernels",
     "warm_up",
@@ -312,6 +314,51 @@ def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
     g -= xhat
     g *= rstd[:, None]
     return g
+
+
+def layer_norm_backward_input(dy: Any, x: Any, w: Any, mean: Any,
+                              rstd: Any) -> tuple[Any, tuple]:
+    """:func:`layer_norm_backward` split in two: the input gradient (a new array) and what
+    :func:`layer_norm_backward_weight` needs to add the parameter gradients later, which
+    then equal :func:`layer_norm_backward`'s bit for bit. On the CPU that is the partial
+    column sums the fused pass computes anyway (a few rows of C numbers); on a GPU, whose
+    two kernels are separate, ``dy`` and the forward's ``x``, ``mean``, ``rstd``."""
+    if _on_device(dy, x, w):
+        return _cuda().layer_norm_backward_dx(dy, x, w, mean, rstd), ("cuda", dy, x, mean, rstd)
+    n, c = x.shape
+    if _numba(dy, x, w, mean, rstd):
+        dx = np.empty(x.shape, dtype=x.dtype)
+        part = np.zeros((_cpu.chunks(n), 2, c))
+        unused = np.zeros((2, c), dtype=x.dtype)  # the kernel's own sums of ``part``
+        _cpu.layer_norm_backward(_c(dy), _c(x), _c(w), _c(mean), _c(rstd), dx, unused[0],
+                                 unused[1], part)
+        return dx, ("chunks", part)
+    xhat = x - mean[:, None]
+    xhat *= rstd[:, None]
+    sums = ("sums", np.einsum("ij,ij->j", dy, xhat), dy.sum(axis=0))
+    g = dy * w
+    m2 = np.mean(g * xhat, axis=-1, keepdims=True)
+    g -= g.mean(axis=-1, keepdims=True)
+    xhat *= m2
+    g -= xhat
+    g *= rstd[:, None]
+    return g, sums
+
+
+def layer_norm_backward_weight(kept: tuple, dw: Any, db: Any) -> None:
+    """``dw``, ``db`` accumulate in place the parameter gradients of the
+    :func:`layer_norm_backward_input` call that returned ``kept``, in the order
+    :func:`layer_norm_backward` adds them."""
+    if kept[0] == "cuda":
+        _cuda().layer_norm_backward_dwdb(*kept[1:], dw, db)
+    elif kept[0] == "chunks":
+        part = kept[1]
+        for k in range(part.shape[0]):  # as the kernel's last loop: chunk by chunk
+            dw += part[k, 0]
+            db += part[k, 1]
+    else:
+        dw += kept[1]
+        db += kept[2]
 
 
 # -- GELU (tanh approximation) with the bias add --------------------------------------------

@@ -193,6 +193,20 @@ def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
     return dx
 
 
+def layer_norm_backward_dx(dy: Any, x: Any, w: Any, mean: Any, rstd: Any) -> Any:
+    """The input-gradient kernel of :func:`layer_norm_backward` alone."""
+    dy, x, w, mean, rstd = _dev(dy), _dev(x), _dev(w), _dev(mean), _dev(rstd)
+    dx = cuda.device_array(x.shape, dtype=x.dtype)
+    _layer_norm_dx[_grid(x.shape[0])](dy, x, w, mean, rstd, dx)
+    return dx
+
+
+def layer_norm_backward_dwdb(dy: Any, x: Any, mean: Any, rstd: Any, dw: Any, db: Any) -> None:
+    """The parameter-gradient kernel of :func:`layer_norm_backward` alone (``+=``)."""
+    _layer_norm_dwdb[_grid(x.shape[1])](_dev(dy), _dev(x), _dev(mean), _dev(rstd), _dev(dw),
+                                        _dev(db))
+
+
 # -- GELU with the bias add -----------------------------------------------------------------
 @cuda.jit
 def _bias_gelu(h, b, has_bias, y):  # pragma: no cover - device code

@@ -113,6 +113,31 @@ class Linear(Module):
         self.accumulate_grad(x, dy, bias_grad=bias_grad)
         return self.input_grad(dy)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None, *,
+                       bias_grad: bool = True) -> np.ndarray:
+        """The input gradient (:meth:`input_grad`); keeps the forward's input and ``dy`` for
+        :meth:`backward_weight` (with ``bias_grad=False`` that will not add the bias
+        gradient, as in :meth:`backward`)."""
+        x = self._take(ctx)
+        self._check_output_grad(x, dy)
+        dx = self.input_grad(dy)
+        self.defer_grad(ctx, x, dy, bias_grad=bias_grad)
+        return dx
+
+    def defer_grad(self, ctx: Hashable, x: np.ndarray, dy: np.ndarray, *,
+                   bias_grad: bool = True) -> None:
+        """Keep the input ``x`` and output gradient ``dy`` under ``ctx`` for
+        :meth:`backward_weight` (for a caller that did not keep the input in forward and
+        computed the input gradient itself). Not collective."""
+        self._defer(ctx, (x, dy, bias_grad))
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        """:meth:`accumulate_grad` from what :meth:`backward_input` (or :meth:`defer_grad`)
+        kept under ``ctx``."""
+        x, dy, bias_grad = self._take_deferred(ctx)
+        self.accumulate_grad(x, dy, bias_grad=bias_grad)
+        super().backward_weight(ctx)
+
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         """``dy @ weight.T``, the gradient of the input (part of :meth:`backward`)."""
         if dy.shape[-1] != self.out_features:
@@ -123,16 +148,19 @@ class Linear(Module):
     def accumulate_grad(self, x: np.ndarray, dy: np.ndarray, *, bias_grad: bool = True) -> None:
         """Add ``x.T @ dy`` to the weight gradient (and ``dy``'s column sums to the bias
         gradient unless ``bias_grad=False``): the rest of :meth:`backward`, given the input."""
-        if dy.shape != x.shape[:-1] + (self.out_features,):
-            raise ValueError(
-                f"{self.name}: output gradient of shape {dy.shape}, expected "
-                f"{x.shape[:-1] + (self.out_features,)}"
-            )
+        self._check_output_grad(x, dy)
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
         add_transposed_product(self.grad("weight"), x2, dy2)
         if self.has_bias and bias_grad:
             self.grad("bias")[...] += dy2.sum(axis=0)
+
+    def _check_output_grad(self, x: np.ndarray, dy: np.ndarray) -> None:
+        if dy.shape != x.shape[:-1] + (self.out_features,):
+            raise ValueError(
+                f"{self.name}: output gradient of shape {dy.shape}, expected "
+                f"{x.shape[:-1] + (self.out_features,)}"
+            )
 
 
 def matmul_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -183,14 +211,30 @@ class Embedding(Module):
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
         ids = self._take(ctx)
+        self._check_output_grad(ids, dy)
+        F.embedding_backward(self.grad("weight"), ids.reshape(-1),
+                             dy.reshape(-1, self.embedding_dim))
+        return None
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> None:
+        """No input gradient (ids have none): keeps the ids and ``dy`` for
+        :meth:`backward_weight`, which does all of :meth:`backward`'s work."""
+        ids = self._take(ctx)
+        self._check_output_grad(ids, dy)
+        self._defer(ctx, (ids, dy))
+        return None
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        ids, dy = self._take_deferred(ctx)
+        F.embedding_backward(self.grad("weight"), ids.reshape(-1),
+                             dy.reshape(-1, self.embedding_dim))
+
+    def _check_output_grad(self, ids: np.ndarray, dy: np.ndarray) -> None:
         if dy.shape != ids.shape + (self.embedding_dim,):
             raise ValueError(
                 f"{self.name}: output gradient of shape {dy.shape}, expected "
                 f"{ids.shape + (self.embedding_dim,)}"
             )
-        F.embedding_backward(self.grad("weight"), ids.reshape(-1),
-                             dy.reshape(-1, self.embedding_dim))
-        return None
 
 
 class LayerNorm(Module):
@@ -218,6 +262,20 @@ class LayerNorm(Module):
         dx = F.layer_norm_backward(dy.reshape(-1, self.dim), x2, self.param("weight"), mean,
                                    rstd, self.grad("weight"), self.grad("bias"))
         return dx.reshape(dy.shape)
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        """The input gradient. The fused pass that computes it also computes the parameter
+        gradients' partial sums (C numbers per row chunk): those are kept, not the inputs,
+        and :meth:`backward_weight` adds them up."""
+        x2, mean, rstd = self._take(ctx)
+        dx, kept = F.layer_norm_backward_input(dy.reshape(-1, self.dim), x2,
+                                               self.param("weight"), mean, rstd)
+        self._defer(ctx, kept)
+        return dx.reshape(dy.shape)
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        F.layer_norm_backward_weight(self._take_deferred(ctx), self.grad("weight"),
+                                     self.grad("bias"))
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -377,6 +435,11 @@ class Dense(Linear):
             dy = self._act.backward(dy, ctx)
         return super().backward(dy, ctx)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        if self._act is not None:
+            dy = self._act.backward_input(dy, ctx)
+        return super().backward_input(dy, ctx)
+
 
 class ModuleList(Module):
     """An indexable list of submodules (named ``"0"``, ``"1"``, ...) with no forward."""
@@ -401,6 +464,8 @@ class ModuleList(Module):
 
 class Sequential(ModuleList):
     """Runs its children in order (named ``"0"``, ``"1"``, ...); backward in reverse."""
+
+    _chain_backward = True
 
     def __init__(self, *modules: Module) -> None:
         super().__init__(modules)

@@ -42,6 +42,15 @@ class SequentialModel(Module):
             dy = unit.backward(dy, ctx)
         return dy
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray | None:
+        for unit in reversed(self._units):
+            dy = unit.backward_input(dy, ctx)
+        return dy
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        for unit in reversed(self._units):
+            unit.backward_weight(ctx)
+
 
 class MLP(SequentialModel):
     """Multi-layer perceptron ``sizes[0] -> sizes[1] -> ... -> sizes[-1]``.
@@ -130,6 +139,13 @@ class GPTEmbedding(Module):
         self.wpe.backward(dy.sum(axis=0), ctx)
         return None
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> None:
+        if self.drop is not None:
+            dy = self.drop.backward_input(dy, ctx)
+        self.wte.backward_input(dy, ctx)
+        self.wpe.backward_input(dy.sum(axis=0), ctx)
+        return None
+
 
 class LMHead(Module):
     """``logits = x @ weight.T`` with ``weight`` of shape ``(vocab_size, n_embd)``.
@@ -163,6 +179,18 @@ class LMHead(Module):
                                x.reshape(-1, self.n_embd))
         return matmul_rows(dy, w)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        """``dy @ weight``; keeps the input and ``dy`` for :meth:`backward_weight`."""
+        x = self._take(ctx)
+        dx = matmul_rows(dy, self.param("weight"))
+        self._defer(ctx, (x, dy))
+        return dx
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        x, dy = self._take_deferred(ctx)
+        add_transposed_product(self.grad("weight"), dy.reshape(-1, self.vocab_size),
+                               x.reshape(-1, self.n_embd))
+
 
 class GPTHead(Module):
     """Last GPT unit: final LayerNorm ``ln_f`` and the LM head (``(B, T, C) -> (B, T, V)``)."""
@@ -177,6 +205,9 @@ class GPTHead(Module):
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         return self.ln_f.backward(self.head.backward(dy, ctx), ctx)
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        return self.ln_f.backward_input(self.head.backward_input(dy, ctx), ctx)
 
 
 class GPT(SequentialModel):

@@ -14,6 +14,12 @@ hashable key (default ``None``), so several micro-batches can be in flight at on
 pipeline schedule needs: run ``forward(x, ctx=i)`` for several ``i`` and later
 ``backward(dy, ctx=i)`` in any order. Backward *accumulates* (``+=``) into the bound gradient
 arrays and returns the gradient of the input.
+
+Backward also comes in two halves, for a zero-bubble pipeline schedule (Qi et al. 2024):
+``backward_input(dy, ctx)`` returns the input gradient (the "B" pass, on the critical path)
+and keeps what the weight gradients need, and ``backward_weight(ctx)`` later accumulates them
+(the "W" pass, deferred into the pipeline bubble). Together they give bit for bit what
+``backward(dy, ctx)`` gives (the same operations), with no forward recomputed.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Module:
         d["_params"] = {}  # local name -> bound array or None
         d["_grads"] = {}
         d["_cache"] = {}  # ctx -> whatever backward needs
+        d["_deferred"] = {}  # ctx -> what backward_weight needs (kept by backward_input)
         d["prefix"] = ""
         d["training"] = True
 
@@ -333,13 +340,22 @@ class Module:
         return self.train(False)
 
     def clear_cache(self, ctx: Hashable = None, *, every: bool = True) -> None:
-        """Forget the activations kept for backward: every context's (e.g. after an
-        evaluation forward), or only those of ``ctx`` with ``every=False``."""
+        """Forget the activations kept for backward (and what :meth:`backward_input` kept
+        for :meth:`backward_weight`): every context's (e.g. after an evaluation forward), or
+        only those of ``ctx`` with ``every=False``."""
         for mod in self.modules():
+            deferred = mod.__dict__.get("_deferred", {})
             if every:
                 mod._cache.clear()
+                deferred.clear()
             else:
                 mod._cache.pop(ctx, None)
+                deferred.pop(ctx, None)
+
+    def pending_weight_contexts(self) -> set[Hashable]:
+        """The contexts whose :meth:`backward_input` ran somewhere in the tree but whose
+        :meth:`backward_weight` has not yet. Not collective."""
+        return {ctx for mod in self.modules() for ctx in mod.__dict__.get("_deferred", {})}
 
     # -- forward / backward -------------------------------------------------------------
     def forward(self, x: Any, ctx: Hashable = None) -> Any:
@@ -349,6 +365,48 @@ class Module:
     def backward(self, dy: Any, ctx: Hashable = None) -> Any:
         """Accumulate parameter gradients and return the input gradient for ``ctx``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement backward")
+
+    #: Set by a container whose ``backward`` runs its children's backward in reverse
+    #: registration order and nothing else, so the default :meth:`backward_input` (that
+    #: chain of the children's ``backward_input``) is right for it.
+    _chain_backward: bool = False
+
+    def backward_input(self, dy: Any, ctx: Hashable = None) -> Any:
+        """The "B" half of :meth:`backward`: return the input gradient for ``ctx`` and keep
+        under ``ctx`` what :meth:`backward_weight` needs (at most the forward's cache plus the
+        upstream gradient of the weight products). Writes no gradient buffer. ``dy`` may be
+        kept by reference: the caller must not modify it before :meth:`backward_weight`.
+
+        Default: a layer without parameters returns its :meth:`backward` (there is no weight
+        half); a container runs its children's ``backward_input`` in reverse registration
+        order, if it has no parameters of its own and its ``backward`` is that chain (it does
+        not override ``backward``, or sets ``_chain_backward``). Any other module must
+        implement the split itself and raises ``NotImplementedError``. Collective where
+        :meth:`backward` is (the input-gradient communication of tensor parallelism).
+        """
+        cls = type(self).__name__
+        if self._params:
+            raise NotImplementedError(f"{cls} has parameters but does not split its backward "
+                                      "(implement backward_input and backward_weight)")
+        if not self._children:
+            return self.backward(dy, ctx)
+        if type(self).backward is not Module.backward and not self._chain_backward:
+            raise NotImplementedError(f"{cls}.backward is not a chain of its children's: "
+                                      "implement backward_input and backward_weight")
+        for child in reversed(self._children.values()):
+            dy = child.backward_input(dy, ctx)
+        return dy
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        """The "W" half of :meth:`backward`: accumulate (``+=``) the parameter gradients of
+        ``ctx`` from what :meth:`backward_input` kept, and drop it. Reads only gradient
+        buffers (the parameters may be unbound by then). Not collective.
+
+        Default: every child's ``backward_weight``, in reverse registration order (the order
+        :meth:`backward` reaches them, so that a tied weight's two gradient contributions add
+        up in the same order); nothing for a layer without parameters."""
+        for child in reversed(self._children.values()):
+            child.backward_weight(ctx)
 
     def __call__(self, x: Any, ctx: Hashable = None) -> Any:
         return self.forward(x, ctx)
@@ -363,6 +421,21 @@ class Module:
             raise RuntimeError(
                 f"{self.name} ({type(self).__name__}): backward with ctx={ctx!r} has no "
                 "matching forward (each forward allows one backward)"
+            ) from None
+
+    def _defer(self, ctx: Hashable, value: Any) -> None:
+        if ctx in self._deferred:
+            raise RuntimeError(f"{self.name} ({type(self).__name__}): backward_input with "
+                               f"ctx={ctx!r} ran twice without backward_weight in between")
+        self._deferred[ctx] = value
+
+    def _take_deferred(self, ctx: Hashable) -> Any:
+        try:
+            return self._deferred.pop(ctx)
+        except KeyError:
+            raise RuntimeError(
+                f"{self.name} ({type(self).__name__}): backward_weight with ctx={ctx!r} has "
+                "no matching backward_input"
             ) from None
 
     def __repr__(self) -> str:

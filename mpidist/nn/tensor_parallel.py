@@ -16,8 +16,8 @@ matrix of a model over its ranks:
 (``{"blocks.*.attn.qkv": ColwiseParallel(groups=3), "blocks.*.mlp.fc": "colwise", ...}``);
 :func:`TensorParallelGPT` is ``parallelize(GPT(config), GPT_PLAN, comm=comm)``.
 
-Communication happens only in the four mappings (design idea 8), each one class with its
-forward and backward side by side:
+Communication happens only in the four mappings (design idea 8, in
+:mod:`mpidist.nn.tp_mappings`), each one class with its forward and backward side by side:
 
 =========================  ==================  ==================
 mapping                    forward             backward
@@ -35,7 +35,9 @@ therefore write every tp rank's piece as a hyperslab of one global dataset.
 
 Every forward and backward below is collective over the tp group (all its ranks must run
 the same layers on equally shaped inputs). A group of size 1 (or ``comm=None``) makes no MPI
-call, so the layers equal the single-process ones.
+call, so the layers equal the single-process ones. The split backward
+(``backward_input``/``backward_weight``, see :class:`~mpidist.nn.Module`) communicates only in
+``backward_input``, where the input gradient needs it; ``backward_weight`` is local.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ from .init import fan_in_bound, init_value
 from .layers import GELU, Embedding, Linear, ReLU, Tanh, matmul_rows
 from .models import GPT, GPTConfig
 from .module import Module
+from .tp_mappings import (
+    CopyToTensorParallel,
+    GatherFromTensorParallel,
+    ReduceFromTensorParallel,
+    ScatterToTensorParallel,
+)
+from .tp_mappings import even_split as _split
+from .tp_mappings import tp_group as _group
 from .tp_plan import (
     GPT_PLAN,
     ColwiseParallel,
@@ -92,12 +102,6 @@ __all__ = [
     "tp_partitions",
 ]
 
-
-def _group(comm: Any) -> tuple[int, int]:
-    """(size, rank) of a tp communicator; None is a group of one."""
-    if comm is None:
-        return 1, 0
-    return comm.Get_size(), comm.Get_rank()
 
 
 # -- partitions ---------------------------------------------------------------------------
@@ -150,12 +154,6 @@ class TPPartition(NamedTuple):
         """This rank's slice of a global tensor (a contiguous copy)."""
         return np.ascontiguousarray(full[self.index(full.shape)])
 
-
-def _split(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
-    if n % size:
-        raise ValueError(f"tp={size} does not divide {what}={n}")
-    w = n // size
-    return rank * w, (rank + 1) * w
 
 
 class TensorParallelModule(Module):
@@ -212,82 +210,6 @@ def tp_partition(module: Module, name: str) -> TPPartition | None:
     parameter is replicated over tp (or the module is not tensor parallel). Pure."""
     entry = tp_partitions(module).get(name)
     return None if entry is None else entry[0]
-
-
-# -- the four mappings ----------------------------------------------------------------------
-def _allreduce_copy(x: np.ndarray, comm: Any) -> np.ndarray:
-    out = np.array(x, copy=True, order="C")
-    C.allreduce(out, "sum", comm=comm)
-    return out
-
-
-def _split_last(x: np.ndarray, comm: Any) -> np.ndarray:
-    size, rank = _group(comm)
-    if size == 1:
-        return x
-    lo, hi = _split(x.shape[-1], size, rank, "last dim")
-    return np.ascontiguousarray(x[..., lo:hi])
-
-
-def _gather_last(x: np.ndarray, comm: Any) -> np.ndarray:
-    size, _ = _group(comm)
-    if size == 1:
-        return x
-    x = np.ascontiguousarray(x)
-    g = C.allgather(x.reshape(-1), comm=comm).reshape((size, *x.shape))
-    return np.concatenate(list(g), axis=-1)
-
-
-class _Mapping(Module):
-    """A parameterless module that moves tensors between the tp ranks."""
-
-    def __init__(self, comm: Any) -> None:
-        super().__init__()
-        self.comm = comm
-
-
-class CopyToTensorParallel(_Mapping):
-    """Enter a tp region: forward is the identity (every rank has the whole input);
-    backward allreduces (sums) the partial input gradients. Backward is collective over tp."""
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return x
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _allreduce_copy(dy, self.comm)
-
-
-class ReduceFromTensorParallel(_Mapping):
-    """Leave a tp region by summing partial outputs: forward allreduces, backward is the
-    identity (the gradient of a sum reaches every term). Forward is collective over tp."""
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _allreduce_copy(x, self.comm)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return dy
-
-
-class GatherFromTensorParallel(_Mapping):
-    """Leave a tp region by concatenating shards of the last axis: forward allgathers,
-    backward keeps this rank's slice of the gradient. Forward is collective over tp."""
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _gather_last(x, self.comm)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _split_last(dy, self.comm)
-
-
-class ScatterToTensorParallel(_Mapping):
-    """Enter a tp region by splitting the last axis: forward keeps this rank's slice,
-    backward allgathers the gradient slices. Backward is collective over tp."""
-
-    def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _split_last(x, self.comm)
-
-    def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        return _gather_last(dy, self.comm)
 
 
 # -- parallel layers ------------------------------------------------------------------------
@@ -357,6 +279,14 @@ class ColumnParallelLinear(Linear, TensorParallelModule):
             dy = self.act.backward(dy, ctx)
         return super().backward(dy, ctx, bias_grad=bias_grad)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None, *,
+                       bias_grad: bool = True) -> np.ndarray:
+        if self.gather is not None:
+            dy = self.gather.backward_input(dy, ctx)
+        if self.act is not None:
+            dy = self.act.backward_input(dy, ctx)
+        return super().backward_input(dy, ctx, bias_grad=bias_grad)
+
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         """The whole input's gradient: this rank's part summed over tp (collective)."""
         return self.copy_in.backward(super().input_grad(dy))
@@ -403,6 +333,13 @@ class RowParallelLinear(Linear, TensorParallelModule):
             dy = self.act.backward(dy, ctx)
         return super().backward(self.reduce_out.backward(dy, ctx), ctx, bias_grad=bias_grad)
 
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None, *,
+                       bias_grad: bool = True) -> np.ndarray:
+        if self.act is not None:
+            dy = self.act.backward_input(dy, ctx)
+        return super().backward_input(self.reduce_out.backward_input(dy, ctx), ctx,
+                                      bias_grad=bias_grad)
+
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         """This rank's slice of the input gradient (the whole one, allgathered, when the
         layer split its input itself)."""
@@ -447,7 +384,21 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
         local, mine = self._take(ctx)
-        dy = self.reduce_out.backward(dy, ctx)
+        self._accumulate(local, mine, self.reduce_out.backward(dy, ctx))
+        return None
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> None:
+        """No input gradient (ids have none): keeps the ids and ``dy`` for
+        :meth:`backward_weight`, which does all of :meth:`backward`'s work."""
+        local, mine = self._take(ctx)
+        self._defer(ctx, (local, mine, self.reduce_out.backward_input(dy, ctx)))
+        return None
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        self._accumulate(*self._take_deferred(ctx))
+        super().backward_weight(ctx)
+
+    def _accumulate(self, local: np.ndarray, mine: np.ndarray, dy: np.ndarray) -> None:
         g = self.grad("weight")
         rows = local.reshape(-1)
         dy2 = dy.reshape(-1, self.embedding_dim) * mine.reshape(-1, 1)
@@ -459,7 +410,6 @@ class VocabParallelEmbedding(TensorParallelModule):
             g += onehot @ dy2
         else:
             np.add.at(g, rows, dy2)
-        return None
 
 
 
@@ -497,6 +447,20 @@ class VocabParallelLMHead(TensorParallelModule):
         self.grad("weight")[...] += (dy.reshape(-1, self.local_vocab).T
                                      @ x.reshape(-1, self.n_embd))
         return self.copy_in.backward(matmul_rows(dy, w), ctx)
+
+    def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        """The input gradient (summed over tp); keeps the input and ``dy`` for
+        :meth:`backward_weight`."""
+        x = self._take(ctx)
+        dx = self.copy_in.backward_input(matmul_rows(dy, self.param("weight")), ctx)
+        self._defer(ctx, (x, dy))
+        return dx
+
+    def backward_weight(self, ctx: Hashable = None) -> None:
+        x, dy = self._take_deferred(ctx)
+        self.grad("weight")[...] += (dy.reshape(-1, self.local_vocab).T
+                                     @ x.reshape(-1, self.n_embd))
+        super().backward_weight(ctx)
 
 
 class VocabParallelCrossEntropy(Module):
