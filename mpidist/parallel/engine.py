@@ -76,7 +76,9 @@ class ShardedOptimizer(TrainingStateMixin):
         lr_schedule: optional callable ``step -> lr`` passed to the kernel each step.
         pipeline_parallel_size, tensor_parallel_size, data_parallel_size: mesh sizes when
             ``config.mesh`` is None (on ``comm``; default ``MPI.COMM_WORLD``).
-        schedule: the pipeline schedule when pp > 1 ("1f1b" or "gpipe").
+        schedule: the pipeline schedule when pp > 1: "1f1b", "gpipe" or "zero-bubble"
+            (ZB-H1: each backward split into the input gradient, sent upstream at once,
+            and the weight gradients, deferred into the bubble; levels 0-2).
         balance: the pipeline stage split, "uniform" or "parameters".
         tp_plan: the tensor-parallel plan when tp > 1 (see :mod:`mpidist.nn.tp_plan`;
             default: the model's own).
@@ -109,6 +111,12 @@ class ShardedOptimizer(TrainingStateMixin):
         self.level = int(level)
         self.hook = hook if hook is not None else default_hook(self.level)
         self.schedule = check_schedule(schedule)
+        if self.schedule == "zero-bubble" and level == 3:
+            raise ValueError(
+                "schedule='zero-bubble' with zero_stage=3: a deferred weight gradient would "
+                "need its unit's parameters gathered a third time (or kept gathered); use "
+                "zero_stage 0, 1 or 2, or schedule='1f1b'"
+            )
         self.balance = balance
         self.tp_plan = tp_plan
         #: the communicator a mesh is built on when ``config.mesh`` is None (resolved here,
@@ -315,8 +323,17 @@ class ShardedOptimizer(TrainingStateMixin):
             with model.sync_context(last=(i == m - 1)):
                 return model.backward(dy, ctx=i)
 
+        weight: Callable[[int], None] | None = None
+        if self.schedule == "zero-bubble":  # B now (no sync needed: W add the gradients,
+            # and finish_gradient_sync reduces them after the step's last W)
+            def backward(dy: Any, i: int) -> Any:  # noqa: F811
+                return model.backward_input(dy, ctx=i)
+
+            def weight(i: int) -> None:
+                model.backward_weight(ctx=i)
+
         runner = PipelineStage(model.forward, backward, comm=model.pp_comm,
-                               loss=model.stage_loss(self.loss))
+                               loss=model.stage_loss(self.loss), backward_weight=weight)
         total = runner.run(inputs, targets, schedule=self.schedule, normalizer=normalizer,
                            train=train)
         if train:

@@ -533,6 +533,35 @@ class ShardedModel:
                 pending = self._gather(u - 1)
         return dy
 
+    # -- the zero-bubble split: input gradients now, weight gradients later -------------------
+    def backward_input(self, dy: Any, ctx: Any = None) -> Any:
+        """B: the input gradient of this rank's units for micro-batch ``ctx``; what the
+        weight gradients need stays kept until :meth:`backward_weight`. Collective over tp
+        only (levels 0-2)."""
+        for u in range(len(self.units) - 1, -1, -1):
+            if self._recompute:
+                self.units[u].forward(self._kept.pop((u, ctx)), ctx)
+            dy = self.units[u].backward_input(dy, ctx)
+        return dy
+
+    def backward_weight(self, ctx: Any = None) -> None:
+        """W: the weight gradients of micro-batch ``ctx`` (after its B). Levels 0-1 add them
+        into the gradient buffer (synchronised by :meth:`finish_gradient_sync`); level 2
+        hands each unit's to the hook at once, as its backward does. Collective over the
+        shard group at level 2."""
+        for u in range(len(self.units) - 1, -1, -1):
+            if self.level < 2:
+                self.units[u].backward_weight(ctx)
+            else:
+                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
+                gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+                self._track(gbuf.nbytes)
+                self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
+                self.units[u].backward_weight(ctx)
+                self.units[u].bind(pviews, None)
+                self._start_unit(u, gbuf)
+            self._progress()
+
     # -- the update ---------------------------------------------------------------------------
     def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
         """``(param, grad, state_slice)`` flat pieces the optimizer updates on this rank."""
@@ -645,11 +674,6 @@ class ShardedModel:
             return []
         return self.placement.checkpoint_pieces(self.parameter_storage, state_buffers,
                                                 for_writing=for_writing)
-
-    def tensor_pieces(self, array: np.ndarray, *, sharded: bool, owned: bool
-                      ) -> list[tuple[str, slice, np.ndarray]]:
-        """See :meth:`Placement.tensor_pieces`. Not collective."""
-        return self.placement.tensor_pieces(array, sharded=sharded, owned=owned)
 
     def memory_report(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients, and the peak working set."""

@@ -43,7 +43,8 @@ __all__ = [
     "schedule_order",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+#: the schedules the runtime runs (``interleaved`` is simulated only, see schedules.py)
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
 BALANCES = ("uniform", "parameters")
 
 _TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 11, 12, 13
@@ -52,7 +53,8 @@ _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int64, np.int32, np.
 
 
 def check_schedule(schedule: str) -> str:
-    """The schedule name, lower-cased; ValueError naming it unless GPipe or 1F1B. Pure."""
+    """The schedule name, lower-cased; ValueError naming it unless one of :data:`SCHEDULES`.
+    Pure."""
     s = str(schedule).lower()
     if s not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
@@ -134,6 +136,9 @@ def schedule_order(schedule: str, stage: int, n_stages: int, micro_batches: int
                    ) -> list[tuple[str, int]]:
     """The ``("F", i)`` / ``("B", i)`` sequence stage ``stage`` of ``n_stages`` runs. Pure."""
     schedule = check_schedule(schedule)
+    if schedule == "zero-bubble":
+        raise ValueError("schedule_order gives F/B orders; the zero-bubble one is "
+                         "mpidist.parallel.schedules.orders")
     m = int(micro_batches)
     if not 0 <= stage < n_stages:
         raise ValueError(f"stage={stage} is outside {n_stages} stages")
@@ -180,7 +185,10 @@ class PipelineStage:
     Args:
         forward: ``forward(x, ctx) -> y`` of this stage's units.
         backward: ``backward(dy, ctx) -> dx`` of this stage's units (dx is ignored on the
-            first stage). Called for micro-batches 0..m-1 in order.
+            first stage). Called for micro-batches 0..m-1 in order. Under the zero-bubble
+            schedule it computes the input gradient only (B), and
+        backward_weight: ``backward_weight(ctx)`` the weight gradients (W), deferred into
+            the bubble (required by the zero-bubble schedule).
         comm: the pp communicator (rank = stage index); None for a single stage.
         loss: on the last stage, ``loss.forward(y, target, normalizer=, ctx=) -> float`` and
             ``loss.backward(ctx=) -> dy``.
@@ -191,9 +199,11 @@ class PipelineStage:
     """
 
     def __init__(self, forward: Callable[[Any, Any], Any], backward: Callable[[Any, Any], Any],
-                 *, comm: Any = None, loss: Any = None) -> None:
+                 *, comm: Any = None, loss: Any = None,
+                 backward_weight: Callable[[Any], None] | None = None) -> None:
         self.forward = forward
         self.backward = backward
+        self.backward_weight = backward_weight
         self.comm = comm
         self.n_stages, self.stage = size_rank(comm)
         self.loss = loss
@@ -247,10 +257,16 @@ class PipelineStage:
         :attr:`stats`. With ``train=False`` only the forwards run (evaluation).
         """
         m = len(inputs)
-        if train:
-            order = schedule_order(schedule, self.stage, self.n_stages, m)
+        if not train:
+            order: list[tuple[str, int]] = [("F", i) for i in range(m)]
+        elif schedule == "zero-bubble":
+            if self.backward_weight is None:
+                raise ValueError("the zero-bubble schedule needs backward_weight")
+            from mpidist.parallel.schedules import orders
+
+            order = [(k, i) for k, i, _ in orders(schedule, self.n_stages, m)[self.stage]]
         else:
-            order = [("F", i) for i in range(m)]
+            order = schedule_order(schedule, self.stage, self.n_stages, m)
         if self.is_last and (self.loss is None or targets is None or len(targets) != m):
             raise ValueError(f"the last stage needs a loss and {m} targets")
         self.stats = PipelineStats()
@@ -271,6 +287,9 @@ class PipelineStage:
                     sends += self._send_activation(y)
                 live += 1
                 self.stats.peak_live = max(self.stats.peak_live, live)
+            elif kind == "W":
+                self.backward_weight(i)  # type: ignore[misc]
+                continue
             else:
                 if self.is_last:
                     dy = self.loss.backward(ctx=i)

@@ -110,7 +110,8 @@ class HybridShardedOptimizer(ShardedOptimizer):
         pipeline_parallel_size, tensor_parallel_size: pp and tp sizes.
         data_parallel_size: dp size; -1 infers it from the world size.
         zero_stage: the sharding level over dp, 0-3.
-        schedule: "1f1b" (default) or "gpipe".
+        schedule: "1f1b" (default), "gpipe" or "zero-bubble" (ZB-H1: the weight
+            gradients deferred into the bubble; zero_stage 0-2).
         balance: stage split, "uniform" (units) or "parameters" (parameter count).
         comm: communicator to build the mesh on when ``config.mesh`` is None.
         loss, lr_schedule: as for every strategy (with tp > 1 and a vocabulary-sharded

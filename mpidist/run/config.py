@@ -15,6 +15,7 @@ from typing import Any
 
 from mpidist.optim import OPTIMIZERS
 from mpidist.parallel.config import RECOMPUTE
+from mpidist.parallel.pipeline import SCHEDULES
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
@@ -84,8 +85,8 @@ class TrainConfig:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGY_NAMES}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype={self.dtype!r} must be float32 or float64")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"schedule={self.schedule!r} must be gpipe or 1f1b")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         if self.compression not in COMPRESSION_METHODS:
@@ -222,7 +223,9 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--topk-ratio", float, None, "fraction of each bucket sent (--compression topk)"),
     ("--powersgd-rank", int, None, "rank of the factors (--compression powersgd)"),
     ("--staleness", int, None, "steps a gradient may stay in flight (--strategy async)"),
-    ("--schedule", str, ("gpipe", "1f1b"), "pipeline schedule (--pp > 1)"),
+    ("--schedule", str, SCHEDULES,
+     "pipeline schedule (--pp > 1); zero-bubble splits each backward into the input "
+     "gradient and the weight gradients, deferred into the bubble"),
     ("--recompute", str, RECOMPUTE,
      "activation checkpointing: keep only each block's input, recompute the rest in backward"),
     ("--micro-batches", int, None, "micro-batches per step"),

@@ -93,10 +93,11 @@ def replicated_identical_over_tp(model) -> None:
 
 
 SIZES = factorizations(world_size())
-# (schedule, zero_stage, max_grad_norm): both schedules, with and without ZeRO over dp,
+# (schedule, zero_stage, max_grad_norm): every schedule, with and without ZeRO over dp,
 # with and without clipping by the global norm.
 OPTIONS = [("gpipe", 0, None), ("1f1b", 0, 0.5), ("1f1b", 1, None), ("gpipe", 2, 0.5),
-           ("1f1b", 3, 0.5)]
+           ("1f1b", 3, 0.5), ("zero-bubble", 0, None), ("zero-bubble", 1, 0.5),
+           ("zero-bubble", 2, None)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -119,6 +120,25 @@ def test_matches_single_process(comm, sizes, schedule, zero, clip):
         stats = model.last_pipeline_stats
         limit = MICRO if schedule == "gpipe" else sizes[0] - model.stage
         assert stats.peak_live == limit
+    model.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_every_schedule_with_fewer_or_odd_micro_batches(comm, schedule, micro):
+    """pp = the world (2, 3 or 4 stages) with m < p or m not a multiple of p."""
+    n = comm.Get_size()
+    ref_losses, ref_params = reference(STEPS, None)
+    config = ShardingConfiguration(dtype="float64", micro_batches=micro)
+    opt = HybridShardedOptimizer(make_opt(), config, pipeline_parallel_size=n,
+                                 data_parallel_size=1, schedule=schedule, comm=comm)
+    model = opt.wrap(GPT(CONFIG), seed=0)
+    result = opt.optimize(model, data(), STEPS, global_batch_size=B)
+    np.testing.assert_allclose(result.losses, ref_losses, **TOL)
+    got = model.full_parameters()
+    for name, ref in ref_params.items():
+        np.testing.assert_allclose(got[name], ref, **TOL, err_msg=name)
     model.free()
 
 
@@ -192,6 +212,9 @@ def test_bad_input_raises_on_every_rank(comm):
         HybridShardedOptimizer(make_opt(), cfg, zero_stage=4, comm=comm)
     with pytest.raises(ValueError, match="schedule='interleaved'"):
         HybridShardedOptimizer(make_opt(), cfg, schedule="interleaved", comm=comm)
+    with pytest.raises(ValueError, match="'zero-bubble' with zero_stage=3: a deferred"):
+        HybridShardedOptimizer(make_opt(), cfg, schedule="zero-bubble", zero_stage=3,
+                               comm=comm)
     mesh = ProcessMesh(comm, pp=n)
     with pytest.raises(ValueError, match="do not match config.mesh"):
         HybridShardedOptimizer(make_opt(), cfg.replace(mesh=mesh), tensor_parallel_size=n,
