@@ -288,8 +288,12 @@ class PipelineStage:
                 live += 1
                 self.stats.peak_live = max(self.stats.peak_live, live)
             elif kind == "W":
+                # An input gradient sent upstream is on the critical path, and a large one
+                # moves only while this rank calls into MPI: finish sending it before the
+                # deferred weight gradients keep this rank busy.
+                C.wait_all(sends)
+                sends = []
                 self.backward_weight(i)  # type: ignore[misc]
-                continue
             else:
                 if self.is_last:
                     dy = self.loss.backward(ctx=i)
