@@ -12,8 +12,9 @@ step alternates them) and each step's time (the slowest rank's) is measured; the
 gives the medians next to the step :func:`mpidist.parallel.schedules.simulate` predicts
 from the measured F, B, W (each timed over all the micro-batches in turn, so on data
 pushed out of the cache as in a schedule) and latency, and zero-bubble's step against
-1F1B's (theory with equal F, B and W at p=2, m=4: 13/15 = 0.87). One core per rank: on the 2-core machine p=2,
-since an oversubscribed rank's bubble is filled by another rank's work.
+1F1B's (theory with equal F, B and W at p=2, m=4: 13/15 = 0.87). One core per rank: on
+the 2-core machine p=2, since an oversubscribed rank's bubble is filled by another rank's
+work.
 """
 
 from __future__ import annotations
