@@ -178,6 +178,7 @@ bench: warm
 	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/zero_memory.py; done
 	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py; done
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/pipeline_bubble.py
+	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/pipeline_schedules.py
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/compression.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
