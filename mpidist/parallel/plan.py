@@ -42,6 +42,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mpidist.parallel.schedules import step_units
+
+#: the schedules the planner models (those the runtime runs)
+PLAN_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+
 __all__ = [
     "PRECISIONS",
     "Cluster",
@@ -311,12 +316,30 @@ def shape_line(params: float, layers: int, hidden: int, heads: int, seq_len: int
 
 
 def activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
-                     tp: int, pp: int, micro_batches: int, act_bytes: int) -> float:
-    """Activation memory on the busiest device (the first pipeline stage)."""
+                     tp: int, pp: int, micro_batches: int, act_bytes: int,
+                     schedule: str = "1f1b", recompute: str = "none") -> float:
+    """Activation memory on the busiest device (the first pipeline stage): per layer
+    Korthikanti et al.'s ``s b h (10 + 24/t + 5 a s/(h t))`` halves, or with recompute
+    only the layer's input ``s b h``; times the micro-batches in flight (GPipe: all of
+    them; 1F1B and zero-bubble: at most ``pp``)."""
     s, b, h, a = seq_len, micro_batch, hidden, heads
-    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * act_bytes / 2
-    in_flight = min(pp, micro_batches) if pp > 1 else 1
+    if recompute == "blocks":
+        per_layer = s * b * h * act_bytes
+    else:
+        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * act_bytes / 2
+    if pp == 1:
+        in_flight = 1
+    else:
+        in_flight = micro_batches if schedule == "gpipe" else min(pp, micro_batches)
     return per_layer * (layers / pp) * in_flight
+
+
+def pipeline_compute_factor(schedule: str, recompute: str, pp: int, m: int) -> float:
+    """How much longer a step's compute takes than its work alone: the schedule's bubble
+    (``step_units`` over the ``3m`` units of work) and, with recompute, one more forward
+    (4 units of work for 3). Pure."""
+    factor = step_units(schedule, pp, m) / (3 * m)
+    return factor * (4 / 3 if recompute == "blocks" else 1.0)
 
 
 def _plan_inputs(params: float, devices: int, optimizer: str, precision: str,
@@ -357,7 +380,8 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
          layers: int | None = None, hidden: int | None = None, heads: int | None = None,
          seq_len: int = 2048, micro_batch: int = 1, global_batch: int | None = None,
          cluster: Cluster | None = None, zero_stages: Sequence[int] = (0, 1, 2, 3),
-         max_tp: int | None = None, **cluster_fields: Any) -> list[dict[str, Any]]:
+         max_tp: int | None = None, schedules: Sequence[str] = ("1f1b",),
+         recompute: Sequence[str] = ("none",), **cluster_fields: Any) -> list[dict[str, Any]]:
     """Every (pp, tp, dp, zero_stage) layout of ``devices`` for a model of ``params``
     parameters, with predicted memory and step time; layouts that fit first, fastest first.
 
@@ -373,8 +397,11 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             is skipped.
         cluster: a :class:`Cluster`, or its fields as keyword arguments.
         max_tp: largest tensor-parallel size (default: devices per node).
+        schedules, recompute: the pipeline schedules (where pp > 1) and activation
+            checkpointing choices to plan with (see :func:`pipeline_compute_factor`).
 
-    Rows carry ``pp, tp, dp, zero_stage, micro_batches, params_per_device,
+    Rows carry ``pp, tp, dp, zero_stage, micro_batches, schedule, recompute,
+    params_per_device,
     model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
     step_time_s, fits``.
     """
@@ -396,12 +423,11 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             local = -(-global_batch // dp)
             m = -(-local // micro_batch)
             psi = params / (pp * tp)
-            act = activation_bytes(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                                   micro_batch=micro_batch, tp=tp, pp=pp, micro_batches=m,
-                                   act_bytes=act_bytes)
-            compute = 6 * params * (local * dp * seq_len) / (devices * cluster.flops
-                                                              * cluster.efficiency)
-            compute *= 1 + (pp - 1) / m
+            act_args = {"layers": layers, "hidden": hidden, "heads": heads,
+                        "seq_len": seq_len, "micro_batch": micro_batch, "tp": tp, "pp": pp,
+                        "micro_batches": m, "act_bytes": act_bytes}
+            work = 6 * params * (local * dp * seq_len) / (devices * cluster.flops
+                                                           * cluster.efficiency)
             # tp varies fastest, then dp, then pp (ProcessMesh): a tp group spans tp
             # consecutive devices, a dp group tp·dp, a pipeline hop crosses tp·dp devices.
             act_msg = micro_batch * seq_len * hidden * act_bytes
@@ -420,24 +446,39 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                 states = psi * bytes_per_parameter(precision, optimizer, z, dp)
                 g_all, p_all = psi * g_bytes, psi * p_bytes
                 dp_comm = zero_sync_time(z, g_all, p_all, m, sync)
-                total = states + act
-                step = compute + dp_comm + tp_comm + pp_comm
-                rows.append({
-                    "pp": pp, "tp": tp, "dp": dp, "zero_stage": z,
-                    "micro_batches": m,
-                    "params_per_device": psi,
-                    "model_state_gb": states / GB,
-                    "activation_gb": act / GB,
-                    "total_gb": total / GB,
-                    "compute_s": compute,
-                    "dp_comm_s": dp_comm,
-                    "tp_comm_s": tp_comm,
-                    "pp_comm_s": pp_comm,
-                    "step_time_s": step,
-                    "fits": total <= cluster.memory_gb * GB,
-                })
+                for sched, rc in _pipeline_choices(pp, schedules, recompute):
+                    act = activation_bytes(**act_args, schedule=sched, recompute=rc)
+                    compute = work * pipeline_compute_factor(sched, rc, pp, m)
+                    total = states + act
+                    rows.append({
+                        "pp": pp, "tp": tp, "dp": dp, "zero_stage": z, "micro_batches": m,
+                        "schedule": sched, "recompute": rc,
+                        "params_per_device": psi,
+                        "model_state_gb": states / GB,
+                        "activation_gb": act / GB,
+                        "total_gb": total / GB,
+                        "compute_s": compute,
+                        "dp_comm_s": dp_comm,
+                        "tp_comm_s": tp_comm,
+                        "pp_comm_s": pp_comm,
+                        "step_time_s": compute + dp_comm + tp_comm + pp_comm,
+                        "fits": total <= cluster.memory_gb * GB,
+                    })
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["total_gb"]))
     return rows
+
+
+def _pipeline_choices(pp: int, schedules: Sequence[str], recompute: Sequence[str]
+                      ) -> list[tuple[str, str]]:
+    """The (schedule, recompute) pairs a layout is planned with; the schedule only matters
+    where there is a pipeline. ValueError naming a bad choice. Pure."""
+    for sched in schedules:
+        if sched not in PLAN_SCHEDULES:
+            raise ValueError(f"schedule {sched!r} is not one of {PLAN_SCHEDULES}")
+    for rc in recompute:
+        if rc not in ("none", "blocks"):
+            raise ValueError(f"recompute {rc!r} is not one of ('none', 'blocks')")
+    return [(sched, rc) for sched in (schedules if pp > 1 else ("1f1b",)) for rc in recompute]
 
 
 def zero_sync_time(stage: int, grad_bytes: float, param_bytes: float, micro_batches: int,
@@ -492,6 +533,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch")
     p.add_argument("--global-batch", type=int, default=None, help="samples per step")
     p.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
+    p.add_argument("--schedules", default="1f1b",
+                   help="comma-separated pipeline schedules to consider (gpipe, 1f1b, "
+                        "zero-bubble; default: 1f1b)")
+    p.add_argument("--recompute", default="none",
+                   help="comma-separated activation checkpointing choices (none, blocks)")
     p.add_argument("--devices-per-node", type=int, default=8,
                    help="devices sharing the fast intra-node link (default: 8)")
     p.add_argument("--memory-gb", type=float, default=80.0, help="memory per device (1e9 B)")
@@ -527,7 +573,9 @@ def run(args: argparse.Namespace) -> int:
     rows = plan(args.params, args.devices, optimizer=args.optimizer, precision=args.precision,
                 layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                 micro_batch=args.micro_batch, global_batch=args.global_batch, cluster=cluster,
-                zero_stages=stages)
+                zero_stages=stages,
+                schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
+                recompute=tuple(x.strip() for x in args.recompute.split(",") if x.strip()))
     if not args.all:
         shown = [r for r in rows if r["fits"]]
     else:
@@ -546,12 +594,13 @@ def run(args: argparse.Namespace) -> int:
           f"{args.optimizer}); {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit in "
           f"{args.memory_gb:g} GB")
     print(f"{'pp':>3} {'tp':>3} {'dp':>5} {'zero':>4} {'states GB':>10} {'act GB':>8} "
-          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits")
+          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits  schedule     recompute")
     for r in shown[:args.top]:
         comm = r["dp_comm_s"] + r["tp_comm_s"] + r["pp_comm_s"]
         print(f"{r['pp']:>3} {r['tp']:>3} {r['dp']:>5} {r['zero_stage']:>4} "
               f"{r['model_state_gb']:>10.2f} {r['activation_gb']:>8.2f} {r['total_gb']:>9.2f} "
-              f"{r['step_time_s']:>9.3f} {comm:>8.3f}  {'yes' if r['fits'] else 'no'}")
+              f"{r['step_time_s']:>9.3f} {comm:>8.3f}  {'yes' if r['fits'] else 'no':<4}  "
+              f"{r['schedule'] if r['pp'] > 1 else '-':<11}  {r['recompute']}")
     if not shown:
         print("no layout fits; try more devices, ZeRO-3, a smaller micro-batch, or --all")
     return 0

@@ -206,7 +206,7 @@ def test_plan_command_prints_its_model_shape_and_documents_the_shape_flags():
     assert out.splitlines()[0] == (
         "model: 36 layers, hidden 4096, 32 heads (size 128), sequence 2048: the default shape "
         "for 7.5e+09 parameters (--layers, --hidden, --heads change it)")
-    tps = {int(line.split()[1]) for line in out.splitlines()[3:] if line.split()[-1] == "yes"}
+    tps = {int(line.split()[1]) for line in out.splitlines()[3:] if line.split()[9] == "yes"}
     assert tps > {1}
     out = plan("--params", "7.5B", "--devices", "64", "--layers", "32", "--hidden", "5120")
     assert out.splitlines()[0] == ("model: 32 layers, hidden 5120, 40 heads (size 128), "
@@ -218,3 +218,34 @@ def test_plan_command_prints_its_model_shape_and_documents_the_shape_flags():
     for flag, words in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
                         ("--heads", "attention heads")):
         assert f"{flag} {flag[2:].upper()}" in text and words in text
+
+
+def test_schedules_and_recompute_in_the_plan():
+    """Zero-bubble's smaller bubble and recompute's smaller activations (one more forward)
+    enter the ranking; pp=1 rows do not depend on the schedule."""
+    from mpidist.parallel.plan import activation_bytes, pipeline_compute_factor, plan
+    from mpidist.parallel.schedules import orders, simulate, step_units
+
+    for p, m in [(2, 4), (4, 8), (3, 5)]:
+        for s in ("gpipe", "1f1b", "zero-bubble"):
+            assert step_units(s, p, m) == simulate(orders(s, p, m), f=1, b=1, w=1).step
+    assert pipeline_compute_factor("1f1b", "none", 4, 8) == pytest.approx(1 + 3 / 8)
+    assert pipeline_compute_factor("zero-bubble", "none", 2, 4) == pytest.approx(13 / 12)
+    assert pipeline_compute_factor("1f1b", "blocks", 1, 4) == pytest.approx(4 / 3)
+    shape = dict(layers=8, hidden=64, heads=4, seq_len=32, micro_batch=2, tp=1, pp=2,
+                 micro_batches=8, act_bytes=2)
+    assert activation_bytes(**shape, recompute="blocks") == 32 * 2 * 64 * 2 * 4 * 2
+    assert activation_bytes(**shape, schedule="gpipe") == \
+        4 * activation_bytes(**shape, schedule="1f1b")
+    rows = plan(7.5e9, 64, schedules=("1f1b", "zero-bubble"), recompute=("none", "blocks"))
+    key = {(r["pp"], r["tp"], r["dp"], r["zero_stage"], r["schedule"], r["recompute"]): r
+           for r in rows}
+    for (pp, tp, dp, z, s, rc), r in key.items():
+        if pp > 1 and s == "zero-bubble":
+            assert r["step_time_s"] < key[(pp, tp, dp, z, "1f1b", rc)]["step_time_s"]
+        if rc == "blocks":
+            assert r["activation_gb"] < key[(pp, tp, dp, z, s, "none")]["activation_gb"]
+        if pp == 1:
+            assert s == "1f1b"
+    with pytest.raises(ValueError, match="schedule 'interleaved' is not one of"):
+        plan(7.5e9, 64, schedules=("interleaved",))
