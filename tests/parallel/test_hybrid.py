@@ -165,7 +165,7 @@ def test_state_dict_moves_between_meshes(comm, target):
         second = DDPOptimizer(make_opt(), ShardingConfiguration(dtype="float64",
                                                                 micro_batches=2))
     else:
-        second = hybrid(comm, dst, zero=2, schedule="gpipe")
+        second = hybrid(comm, dst, zero=2, schedule="zero-bubble")
     m2 = second.wrap(GPT(CONFIG), seed=5)  # a different init: must be overwritten
     second.load_state_dict(state)
     r2 = second.optimize(m2, data(), 4, global_batch_size=B)
