@@ -303,17 +303,26 @@ def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
         part = np.zeros((_cpu.chunks(n), 2, c))
         _cpu.layer_norm_backward(_c(dy), _c(x), _c(w), _c(mean), _c(rstd), dx, dw, db, part)
         return dx
+    g, dw_part, db_part = _layer_norm_backward_numpy(dy, x, w, mean, rstd)
+    dw += dw_part
+    db += db_part
+    return g
+
+
+def _layer_norm_backward_numpy(dy: Any, x: Any, w: Any, mean: Any, rstd: Any
+                               ) -> tuple[Any, Any, Any]:
+    """NumPy layer-norm backward: the input gradient and the weight and bias gradients of
+    this call (to be added to the accumulated ones)."""
     xhat = x - mean[:, None]
     xhat *= rstd[:, None]
-    dw += np.einsum("ij,ij->j", dy, xhat)
-    db += dy.sum(axis=0)
+    dw_part, db_part = np.einsum("ij,ij->j", dy, xhat), dy.sum(axis=0)
     g = dy * w
     m2 = np.mean(g * xhat, axis=-1, keepdims=True)
     g -= g.mean(axis=-1, keepdims=True)
     xhat *= m2
     g -= xhat
     g *= rstd[:, None]
-    return g
+    return g, dw_part, db_part
 
 
 def layer_norm_backward_input(dy: Any, x: Any, w: Any, mean: Any,
@@ -333,16 +342,8 @@ def layer_norm_backward_input(dy: Any, x: Any, w: Any, mean: Any,
         _cpu.layer_norm_backward(_c(dy), _c(x), _c(w), _c(mean), _c(rstd), dx, unused[0],
                                  unused[1], part)
         return dx, ("chunks", part)
-    xhat = x - mean[:, None]
-    xhat *= rstd[:, None]
-    sums = ("sums", np.einsum("ij,ij->j", dy, xhat), dy.sum(axis=0))
-    g = dy * w
-    m2 = np.mean(g * xhat, axis=-1, keepdims=True)
-    g -= g.mean(axis=-1, keepdims=True)
-    xhat *= m2
-    g -= xhat
-    g *= rstd[:, None]
-    return g, sums
+    g, dw_part, db_part = _layer_norm_backward_numpy(dy, x, w, mean, rstd)
+    return g, ("sums", dw_part, db_part)
 
 
 def layer_norm_backward_weight(kept: tuple, dw: Any, db: Any) -> None:
