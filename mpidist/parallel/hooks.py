@@ -147,6 +147,8 @@ class GradientHook(RankState):
     exchanges_in_backward = True
     #: whether the exchanges are metered (``bytes_sent``)
     metered = False
+    #: whether the hook also runs on a mesh with pipeline or tensor parallelism
+    runs_on_3d_mesh = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -164,7 +166,7 @@ class GradientHook(RankState):
                 f"gradient communication {self.name!r} works at sharding levels "
                 f"{list(self.levels)}, not at level {level}{self._why_not(level)}"
             )
-        if (pp, tp) != (1, 1) and type(self) not in (AllReduce, ReduceScatter):
+        if (pp, tp) != (1, 1) and not self.runs_on_3d_mesh:
             raise ValueError(
                 f"gradient communication {self.name!r} runs on a data-parallel mesh; got "
                 f"pp={pp}, tp={tp} (3D meshes reduce gradients with allreduce or "
@@ -256,6 +258,7 @@ class AllReduce(GradientHook):
     """Bucketed allreduce, each bucket started as soon as backward has filled it (DDP)."""
 
     name = "allreduce"
+    runs_on_3d_mesh = True
 
 
 class ReduceScatter(GradientHook):
@@ -263,6 +266,7 @@ class ReduceScatter(GradientHook):
 
     name = "reduce-scatter"
     levels = (2, 3)
+    runs_on_3d_mesh = True
 
     def _why_not(self, level: int) -> str:
         return " (levels 0-1 keep the whole gradient on every rank: use allreduce)"

@@ -87,6 +87,16 @@ def resolve_mesh_shape(config: ShardingConfiguration, comm: Any = None, pp: int 
     return resolve_shape(world(comm).Get_size(), pp, tp, dp)
 
 
+def tensor_users(units: list[Any]) -> dict[str, list[int]]:
+    """``{tensor name: the indices of the units that read it}`` (tied weights: several).
+    Pure."""
+    users: dict[str, list[int]] = {}
+    for u, unit in enumerate(units):
+        for name in unit.parameter_names(include_shared=True):
+            users.setdefault(name, []).append(u)
+    return users
+
+
 class ShardedModel:
     """This rank's part of a model: its pipeline stage's units, in their tensor-parallel
     form when tp > 1, in the flat storage of sharding ``level`` over dp.
@@ -163,7 +173,7 @@ class ShardedModel:
             stage_names=stage_names, stage=self.stage, partitions=partitions,
             tp_rank=self.tp_rank, level=self.level, **self._layout_group())
         self.layout = self.placement.layout
-        self._users = self._tensor_users()
+        self._users = tensor_users(self.units)
         self.memory: dict[str, int] = {"parameters": 0, "gradients": 0, "working_peak": 0}
         self._working = 0
         self._sync_enabled = True
@@ -189,11 +199,7 @@ class ShardedModel:
             raise ValueError(f"parameters outside every unit: {sorted(set(whole) - set(names))}")
         if self.tp_size > 1:
             self.tp_styles = tensor_parallel_styles(self.module, self.tp_plan, self.tp_size)
-        users: dict[str, int] = {}
-        for u in global_units:
-            for n in u.parameter_names(include_shared=True):
-                users[n] = users.get(n, 0) + 1
-        tied = sorted(n for n, k in users.items() if k > 1)
+        tied = sorted(n for n, us in tensor_users(global_units).items() if len(us) > 1)
         if tied and self.pp_size > 1:
             raise ValueError(
                 f"pipeline_parallel_size={self.pp_size} with weights shared between units "
@@ -252,13 +258,6 @@ class ShardedModel:
     @property
     def _is_3d(self) -> bool:
         return self.pp_size > 1 or self.tp_size > 1
-
-    def _tensor_users(self) -> dict[str, list[int]]:
-        users: dict[str, list[int]] = {}
-        for u, unit in enumerate(self.units):
-            for name in unit.parameter_names(include_shared=True):
-                users.setdefault(name, []).append(u)
-        return users
 
     def _allocate(self) -> None:
         lay, dt = self.layout, self.dtype

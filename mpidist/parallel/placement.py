@@ -248,19 +248,6 @@ class Placement:
                 mask[in_local] = 1
         return mask
 
-    def tp_partition(self, name: str) -> Any:
-        """``TPPartition(axis, start, stop, groups)`` of tensor ``name`` on this rank, or
-        None when the tensor is whole here (tp-replicated, or tp=1). Pure."""
-        entry = self.partitions.get(name)
-        return None if entry is None else entry[0]
-
-    def stage_of(self, name: str) -> int:
-        """The pipeline stage holding tensor ``name``. Pure."""
-        for s, names in enumerate(self.stage_names):
-            if name in names:
-                return s
-        raise KeyError(f"no tensor named {name!r}")
-
     def unit_offset(self, u: int, a: int, *, sharded: bool) -> int:
         """Where element ``a`` of unit ``u``'s packed tensors sits in this rank's storage
         (its local shard when ``sharded``, the full layout otherwise); a sharded element

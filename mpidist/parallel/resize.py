@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpidist.core.buffers import padded_length
+from mpidist.core.buffers import shard_range
 
 __all__ = ["Plan", "ResizeDecision", "column_of", "decide", "membership", "owned",
            "transfer_plan"]
@@ -105,8 +105,8 @@ def membership(d: ResizeDecision) -> tuple[list[int], list[int]]:
 def owned(numel: int, n: int, r: int) -> tuple[int, int]:
     """The unpadded elements ``[start, stop)`` of a ``numel``-element unit that shard ``r``
     of ``n`` holds (empty ranges at the end are clipped). Pure."""
-    s = padded_length(numel, n) // n
-    return min(r * s, numel), min((r + 1) * s, numel)
+    start, stop = shard_range(numel, r, n)
+    return min(start, numel), min(stop, numel)
 
 
 def column_of(rank: int, world_size: int, pp: int = 1, tp: int = 1) -> tuple[int, int]:
