@@ -74,6 +74,18 @@ class ParallelMLP(TensorParallelModule):
     backward = SerialMLP.backward
 
 
+def _gpt_step_matches(ref, tp, ref_bufs, tp_bufs, x, y) -> None:
+    """One forward and backward of the single-process GPT and its tensor-parallel form:
+    the same loss, and this rank's slices of the same gradients."""
+    (pr, gr), (pt, gt) = ref_bufs, tp_bufs
+    lr, lt = CrossEntropyLoss(), tp.loss()
+    assert lt.forward(tp.forward(x), y) == pytest.approx(lr.forward(ref.forward(x), y),
+                                                         rel=1e-12)
+    ref.backward(lr.backward())
+    tp.backward(lt.backward())
+    _check_slices(tp, gt, pt, gr, pr)
+
+
 def _check_slices(tp_model: Module, grads_tp, params_tp, grads_ref, params_ref) -> None:
     parts = tp_partitions(tp_model)
     for name, ref in params_ref.views().items():
@@ -295,13 +307,8 @@ def test_tensor_parallel_gpt_equals_gpt(comm):
     pr, gr = ref.build(np.float64, seed=0)
     pt, gt = tp.build(np.float64, seed=0)
     rng = np.random.default_rng(0)
-    x, y = rng.integers(0, 256, (3, 8)), rng.integers(0, 256, (3, 8))
-    lr, lt = CrossEntropyLoss(), tp.loss()
-    assert lt.forward(tp.forward(x), y) == pytest.approx(lr.forward(ref.forward(x), y),
-                                                         rel=1e-12)
-    ref.backward(lr.backward())
-    tp.backward(lt.backward())
-    _check_slices(tp, gt, pt, gr, pr)
+    _gpt_step_matches(ref, tp, (pr, gr), (pt, gt),
+                      rng.integers(0, 256, (3, 8)), rng.integers(0, 256, (3, 8)))
 
 
 def _mlp_case(comm, sizes, activation, plan=None):
@@ -358,11 +365,6 @@ def test_parallelized_gpt_equals_gpt(comm, tie):
     pt, gt = tp.build(np.float64, seed=2)
     assert isinstance(tp, GPT) and tp.config == cfg
     rng = np.random.default_rng(3)
-    x, y = rng.integers(0, 96, (2, 8)), rng.integers(0, 96, (2, 8))
-    lr, lt = CrossEntropyLoss(), tp.loss()
-    assert lt.forward(tp.forward(x), y) == pytest.approx(lr.forward(ref.forward(x), y),
-                                                         rel=1e-12)
-    ref.backward(lr.backward())
-    tp.backward(lt.backward())
-    _check_slices(tp, gt, pt, gr, pr)
+    _gpt_step_matches(ref, tp, (pr, gr), (pt, gt),
+                      rng.integers(0, 96, (2, 8)), rng.integers(0, 96, (2, 8)))
     assert tp.blocks[0].attn.n_head == 4 // n and ref.blocks[0].attn.n_head == 4
