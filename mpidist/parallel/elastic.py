@@ -172,7 +172,9 @@ class ElasticOptimizer(ShardedOptimizer):
         self.hook.check(self.level, pp, tp)
         self.shape = MeshShape(pp, 1, tp)
         self.min_workers, self.max_workers = int(min_workers), int(max_workers)
-        self.inner_strategy = super().strategy
+        # A hybrid mesh records "hybrid", as HybridShardedOptimizer does.
+        self.inner_strategy = self.hook.strategy_name(
+            self.level, "hybrid" if pp * tp > 1 else LEVEL_NAMES[self.level])
         self.events = events
         self.spawn_command = spawn_command or sys.executable
         self.spawn_args = list(spawn_args) if spawn_args is not None else \
@@ -192,6 +194,12 @@ class ElasticOptimizer(ShardedOptimizer):
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
+
+    @property
+    def strategy(self) -> str:
+        """The name checkpoints record: the level's (or "hybrid" on a 3D mesh), with the
+        hook's."""
+        return self.inner_strategy
 
     # -- the sampler carries over: a joiner sets its sampler after wrap() ---------------------
     @property

@@ -215,3 +215,5 @@ def test_elastic_hook_and_mesh_arguments():
                            handle_sigterm=False)
     assert "not a multiple of pipeline_parallel_size=2 x tensor_parallel_size=2 = 4" in \
         opt._size_refusal(6)
+    assert opt.strategy == "hybrid"  # what its checkpoints record, as HybridShardedOptimizer's
+    assert ElasticOptimizer(base, config, zero_stage=2, handle_sigterm=False).strategy == "zero2"
