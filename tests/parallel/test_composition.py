@@ -181,6 +181,27 @@ def test_pairs_that_do_not_compose_say_why():
         STRATEGIES["ddp"](SGD(), sync_period=4)
 
 
+class _Untouchable:
+    """A communicator that fails the test if anything uses it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the communicator was used ({name}) before the refusal")
+
+
+@pytest.mark.parametrize("name, options, match", [
+    ("localsgd", {"zero_stage": 2}, "shard_group=1 leaves nothing to shard"),
+    ("async", {"zero_stage": 1}, "'async' works at sharding levels \\[0\\]"),
+    ("compressed", {"compression": "zip"}, "zip"),
+])
+def test_registry_refuses_a_pair_before_making_the_mesh(name, options, match):
+    """A strategy and level that cannot run together are refused by the hook's pure check
+    before the builder makes its mesh (a collective) on the communicator."""
+    with pytest.raises(ValueError, match=match):
+        from mpidist.optim import SGD
+
+        STRATEGIES[name](SGD(), comm=_Untouchable(), dp=2, **options)
+
+
 # -- tensor parallelism by plan, through the strategies --------------------------------------
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("level", [0, 2])
