@@ -1,17 +1,12 @@
-"""What the torch wrappers share: the communicator, agreement checks, host views of tensors.
-
-Communicators: ``comm=None`` means every rank (``MPI.COMM_WORLD``), like torch's default
-process group; any mpi4py intracommunicator may be given instead. The wrappers use it as
-given (no duplicate): their collectives are issued in the same order on every rank.
-
-Agreement: every check that could differ between ranks (names, shapes, dtypes, devices of a
-module's tensors; a local error) is settled by one small allgather, so that every rank
-raises the same error, naming the ranks that differ, before any collective that could hang.
+"""What the torch wrappers share: the communicator (used as given, no duplicate), agreement
+checks (one small allgather, so that every rank raises the same error before any collective
+that could hang), host views of tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,9 +18,10 @@ from mpidist.core.comms import world
 
 __all__ = [
     "REDUCIBLE",
+    "HostView",
     "agree",
+    "broadcast_tensors",
     "overlap",
-    "host_view",
     "module_fingerprint",
     "numpy_dtype",
     "resolve_comm",
@@ -37,17 +33,9 @@ REDUCIBLE = (torch.float32, torch.float64)
 
 def overlap() -> bool:
     """Whether the wrappers overlap communication with computation through nonblocking MPI
-    collectives (DDP's early buckets started while backward continues, fully_shard's
-    prefetched gathers and in-flight reduce-scatters), from ``MPIDIST_TORCH_OVERLAP``
-    (``1``: overlap; default ``0``: each collective runs blocking where it is needed).
-
-    Open MPI advances a nonblocking collective only inside MPI calls unless it has an
-    asynchronous progress thread, and its nonblocking algorithms are slower than the blocking
-    ones: where no core is free to hide them, blocking collectives are faster (measured in
-    ``benchmarks/vs_torch.py``). Not collective; every rank must see the same value.
-    """
-    import os
-
+    collectives, from ``MPIDIST_TORCH_OVERLAP`` (``1``: overlap; default ``0``: each
+    collective runs blocking where it is needed; docs/torch.md says why). Not collective;
+    every rank must see the same value."""
     value = os.environ.get("MPIDIST_TORCH_OVERLAP", "0").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"MPIDIST_TORCH_OVERLAP={value!r} must be 0 or 1")
@@ -178,11 +166,6 @@ class HostView:
                 self.tensor.copy_(self.staged)
 
 
-def host_view(t: torch.Tensor) -> HostView:
-    """:class:`HostView` of ``t``. Not collective."""
-    return HostView(t)
-
-
 def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Any, root: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with ``root``'s values, one broadcast per dtype.
 
@@ -195,14 +178,10 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Any, root: int = 0)
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for ts in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts]) if len(ts) > 1 else \
-            ts[0].detach().reshape(-1).clone()
-        view = host_view(flat)
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])  # a copy, also of one tensor
+        view = HostView(flat)
         C.broadcast(view.to_host(), root, comm=comm)
         view.to_device()
         with torch.no_grad():
-            offset = 0
-            for t in ts:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+            for t, piece in zip(ts, flat.split([t.numel() for t in ts]), strict=True):
+                t.copy_(piece.view_as(t))

@@ -25,9 +25,9 @@ import torch
 from mpidist.core import collectives as C
 from mpidist.core.buffers import TensorSpec, make_buckets
 from mpidist.torch._common import (
+    HostView,
     agree,
     broadcast_tensors,
-    host_view,
     module_fingerprint,
     overlap,
     resolve_comm,
@@ -50,7 +50,7 @@ class _Bucket:
         for p in params:
             self.slots.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.view = host_view(self.flat)
+        self.view = HostView(self.flat)
         self.pending = len(params)
         self.request: C.Request | None = None
 

@@ -27,7 +27,7 @@ import torch.utils.data
 from mpidist.core import collectives as C
 from mpidist.torch import backend as _backend
 from mpidist.torch import rendezvous as _rendezvous
-from mpidist.torch._common import host_view, resolve_comm
+from mpidist.torch._common import HostView, resolve_comm
 
 __all__ = [
     "DistributedSampler",
@@ -157,7 +157,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     names = {v: k for k, v in _OPS.items()}
     if op not in names:
         raise ValueError(f"op={op} on an mpi4py communicator must be one of {sorted(_OPS)}")
-    view = host_view(tensor)
+    view = HostView(tensor)
     C.allreduce(view.to_host(), names[op], comm=comm)
     view.to_device()
     return None
@@ -169,7 +169,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
     comm = _mpi_comm(group)
     if comm is None:
         return _dist.broadcast(tensor, src, group, async_op)
-    view = host_view(tensor)
+    view = HostView(tensor)
     C.broadcast(view.to_host(), src, comm=comm)
     view.to_device()
     return None

@@ -1,32 +1,17 @@
-"""``fully_shard`` over MPI in the style of torch's FSDP2 (ZeRO-3).
+"""``fully_shard`` over MPI in the style of torch's FSDP2 (ZeRO-3); docs/torch.md has the
+user's view.
 
-``fully_shard(block)`` for each block, then ``fully_shard(model)``: each call makes one
-*unit* of the parameters of its module that no inner unit holds. Every parameter is then
-kept as this rank's rows of dimension 0 (``torch.chunk`` over the ranks, as FSDP2's
-``Shard(0)``), a plain ``nn.Parameter`` that the user's own torch optimizer updates. The
-shards of a unit are views of one flat segment, so the unit's all-gather sends it without a
-copy.
-
-Per iteration, for each unit:
-
-* before its forward the unit's full parameters are all-gathered into one flat tensor (with
-  ``MPIDIST_TORCH_OVERLAP=1`` the next unit's gather is started early, in the order
-  recorded in the first iteration, and reduce-scatters stay in flight while backward goes
-  on) and its module's parameters are swapped to views of it;
-* after its forward (``reshard_after_forward``, except for the root unit) the storage of
-  that flat tensor is freed (``untyped_storage().resize_(0)``) and the shards swapped back;
-  the tensors autograd saved still point at the storage;
-* just before its backward (a hook on its outputs' gradients) the storage is allocated and
-  gathered again, without bumping autograd's version counters; the previous unit's gather
-  is started early;
-* when every gradient of the unit has been accumulated, the full gradients are divided by
-  the world size and reduce-scattered (nonblocking) into the shards; the full storage and
-  gradients are freed.
-
-At the end of backward (an autograd final callback) every reduce-scatter is waited for, one
-small allreduce tells which parameters got a gradient on any rank (those with none keep
-``grad=None``, as in single-process training) and the shards' ``.grad`` are set, or added to
-when they already hold a gradient (accumulation).
+Each call makes one *unit* of the parameters of its module that no inner unit holds. Every
+parameter is kept as this rank's rows of dimension 0 (``torch.chunk``, as FSDP2's
+``Shard(0)``), a plain ``nn.Parameter``; the shards of a unit are views of one flat segment
+that the unit's all-gather sends without a copy. Before a unit's forward and again before
+its backward its full parameters are gathered into one flat tensor whose storage is freed
+afterwards (``untyped_storage().resize_(0)``; autograd's saved tensors keep pointing at it,
+and the regather does not bump their version counters). When a unit's gradients are all
+accumulated they are divided by the world size and reduce-scattered into the shards. At the
+end of backward (an autograd final callback) one small allreduce tells which parameters got
+a gradient on any rank (the others keep ``grad=None``) and the shards' ``.grad`` are set, or
+added to (accumulation).
 """
 
 from __future__ import annotations
@@ -34,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,24 +28,32 @@ from torch.utils._pytree import tree_flatten
 from mpidist.core import collectives as C
 from mpidist.core.buffers import row_range, shard_size
 from mpidist.optim.clipping import clip_coefficient
-from mpidist.torch._common import agree, broadcast_tensors, host_view, overlap, resolve_comm
+from mpidist.torch._common import (
+    REDUCIBLE,
+    HostView,
+    agree,
+    broadcast_tensors,
+    overlap,
+    resolve_comm,
+)
 
 __all__ = ["FSDPModule", "ShardInfo", "fully_shard", "gathered_bytes"]
 
 
+@dataclass(frozen=True)
 class ShardInfo:
     """Where a sharded parameter's rows sit in the global tensor (``param._mpidist_shard``)."""
 
-    def __init__(self, shape: tuple[int, ...], lo: int, hi: int, comm: Any) -> None:
-        self.shape = shape           # global shape
-        self.lo, self.hi = lo, hi    # this rank's rows of dimension 0 (0-d: one "row")
-        self.row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        self.comm = comm
+    shape: tuple[int, ...]  # global shape
+    lo: int                 # this rank's rows [lo, hi) of dimension 0 (0-d: one "row")
+    hi: int
+    comm: Any
 
     @property
     def flat(self) -> slice:
         """This rank's elements of the C-order flattened global tensor."""
-        return slice(self.lo * self.row, self.hi * self.row)
+        row = math.prod(self.shape[1:])
+        return slice(self.lo * row, self.hi * row)
 
 
 class _Param:
@@ -69,10 +63,8 @@ class _Param:
         self.name = name
         self.shape = tuple(p.shape)
         self.rows = self.shape[0] if self.shape else 1
-        self.row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
-        self.n = n
-        self.chunk = shard_size(self.rows, n)    # rows per rank (the last ranks may get fewer)
-        self.seg = self.chunk * self.row          # elements per rank in the unit's segment
+        self.row = math.prod(self.shape[1:])
+        self.seg = shard_size(self.rows, n) * self.row  # elements per rank in the segment
         self.numel = p.numel()
         self.requires_grad = p.requires_grad
         self.locations: list[tuple[torch.nn.Module, str]] = []
@@ -81,19 +73,14 @@ class _Param:
         self.off = 0                              # offset in the unit's segment
         self.full_off = 0                         # offset in the unit's full flat tensor
 
-    def local_rows(self, rank: int) -> tuple[int, int]:
-        return row_range(self.rows, rank, self.n)
-
 
 class _Unit:
     """The state of one ``fully_shard`` call: its parameters and communication buffers."""
 
-    def __init__(self, module: torch.nn.Module, params: list[_Param], comm: Any,
-                 reshard_after_forward: bool) -> None:
-        self.module = module
+    def __init__(self, params: list[_Param], comm: Any, reshard_after_forward: bool) -> None:
         self.params = params
         self.comm = comm
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.size = comm.Get_size()
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         first = params[0].shard if params else None
@@ -109,8 +96,8 @@ class _Unit:
         self.full_flat = torch.zeros(self.full_numel, dtype=self.dtype, device=self.device)
         self.ctx: _Context | None = None
         self.gathered = True       # the module holds the full parameters
-        self.gather: tuple[C.Request, torch.Tensor, Any] | None = None  # in flight
-        self.reduce: tuple[C.Request, torch.Tensor, Any] | None = None
+        self.gather: tuple[Any, torch.Tensor, HostView] | None = None  # in flight
+        self.reduce: tuple[Any, torch.Tensor, HostView, Any] | None = None
         self.grads_ready = 0
         self.n_trainable = sum(p.requires_grad for p in params)
         self.pre_backward_done = False
@@ -123,12 +110,15 @@ class _Unit:
             self.ctx.alive += nbytes
             self.ctx.peak = max(self.ctx.peak, self.ctx.alive)
 
+    @property
+    def full_bytes(self) -> int:
+        return self.full_numel * self.full_flat.element_size()
+
     def _alloc(self) -> None:
         storage = self.full_flat.untyped_storage()
-        nbytes = self.full_numel * self.full_flat.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-            self._count(nbytes)
+        if storage.nbytes() != self.full_bytes:
+            storage.resize_(self.full_bytes)
+            self._count(self.full_bytes)
 
     def free(self) -> None:
         """Drop the full parameters (the shards stay); not collective."""
@@ -146,15 +136,19 @@ class _Unit:
         self.gathered = full
 
     # -- all-gather ------------------------------------------------------------------------
-    def start_gather(self) -> None:
-        """Start the all-gather of the full parameters (collective over the unit's comm)."""
+    def start_gather(self, blocking: bool = False) -> None:
+        """Start (``blocking``: run) the all-gather of the full parameters, unless they are
+        there or on their way (collective over the unit's comm)."""
         if self.gather is not None or self.full_flat.untyped_storage().nbytes():
             return
         recv = torch.empty(self.size * self.seg_numel, dtype=self.dtype, device=self.device)
-        send, out = host_view(self.segment), host_view(recv)
-        req = C.iallgather(send.to_host(), comm=self.comm, out=out.to_host())
-        self.gather = (req, recv, out)
         self._count(recv.numel() * recv.element_size())
+        send, out = HostView(self.segment).to_host(), HostView(recv)
+        if blocking:
+            C.allgather(send, comm=self.comm, out=out.to_host())
+            self.gather = (None, recv, out)
+        else:
+            self.gather = (C.iallgather(send, comm=self.comm, out=out.to_host()), recv, out)
 
     def unshard(self) -> None:
         """Make the full parameters available: wait for the prefetched all-gather, or run a
@@ -162,15 +156,10 @@ class _Unit:
         if self.full_flat.untyped_storage().nbytes() and self.gather is None:
             self._swap(full=True)
             return
-        if self.gather is None:
-            recv = torch.empty(self.size * self.seg_numel, dtype=self.dtype,
-                               device=self.device)
-            self._count(recv.numel() * recv.element_size())
-            out = host_view(recv)
-            C.allgather(host_view(self.segment).to_host(), comm=self.comm, out=out.to_host())
-        else:
-            req, recv, out = self.gather
-            self.gather = None
+        self.start_gather(blocking=True)
+        req, recv, out = self.gather
+        self.gather = None
+        if req is not None:
             req.wait()
         out.to_device()
         self._alloc()
@@ -199,22 +188,23 @@ class _Unit:
         if self.size > 1:
             send.div_(self.size)
         recv = torch.empty(self.seg_numel, dtype=self.dtype, device=self.device)
-        send_v, recv_v = host_view(send), host_view(recv)
+        send_v, recv_v = HostView(send), HostView(recv)
         if blocking:
             C.reduce_scatter(send_v.to_host(), "sum", comm=self.comm, out=recv_v.to_host())
             recv_v.to_device()
-            self.reduce = (None, recv, (None, None, recv_v))
-            return
-        req = C.ireduce_scatter(send_v.to_host(), "sum", comm=self.comm, out=recv_v.to_host())
-        self.reduce = (req, recv, (send, send_v, recv_v))
+            self.reduce = (None, recv, recv_v, None)
+        else:  # the send buffer lives until the wait
+            req = C.ireduce_scatter(send_v.to_host(), "sum", comm=self.comm,
+                                    out=recv_v.to_host())
+            self.reduce = (req, recv, recv_v, send_v)
 
     def wait_reduce(self) -> None:
         """Complete the reduce-scatter in flight and drop its send buffer."""
-        if self.reduce is not None and self.reduce[2][0] is not None:
-            req, recv, (_, _, recv_v) = self.reduce
+        if self.reduce is not None and self.reduce[0] is not None:
+            req, recv, recv_v, _ = self.reduce
             req.wait()
             recv_v.to_device()
-            self.reduce = (req, recv, (None, None, recv_v))
+            self.reduce = (None, recv, recv_v, None)
 
     def finish_reduce(self, anywhere: dict[_Param, bool]) -> None:
         """Wait for the reduce-scatter and set (or add to) the shards' gradients."""
@@ -224,14 +214,12 @@ class _Unit:
         recv = self.reduce[1]
         self.reduce = None
         for p in self.params:
-            if not anywhere.get(p, False):
-                continue
-            n = p.shard.numel()
-            g = recv[p.off:p.off + n].view(p.shard.shape)
-            if p.shard.grad is None:
-                p.shard.grad = g
-            else:
-                p.shard.grad += g
+            if anywhere[p]:
+                g = recv[p.off:p.off + p.shard.numel()].view(p.shard.shape)
+                if p.shard.grad is None:
+                    p.shard.grad = g
+                else:
+                    p.shard.grad += g
 
 
 def _copy_chunks(table: torch.Tensor, p: _Param, flat: torch.Tensor, *, out: bool) -> None:
@@ -334,17 +322,17 @@ def fully_shard(module: torch.nn.Module, *, comm: Any = None, mesh: Any = None,
              for p in params] + [f"reshard_after_forward={reshard_after_forward}"]
     agree(comm, f"fully_shard({type(module).__name__})", error, items)
     broadcast_tensors([p.shard.detach() for p in params] + list(module.buffers()), comm)
-    unit = _Unit(module, params, comm, bool(reshard_after_forward))
+    unit = _Unit(params, comm, bool(reshard_after_forward))
     rank = comm.Get_rank()
     for p in params:
-        lo, hi = p.local_rows(rank)
-        n = (hi - lo) * p.row
-        view = unit.segment[p.off:p.off + n]
+        lo, hi = row_range(p.rows, rank, size)
+        info = ShardInfo(p.shape, lo, hi, comm)
+        view = unit.segment[p.off:p.off + (hi - lo) * p.row]
         with torch.no_grad():
-            view.copy_(p.shard.detach().reshape(-1)[lo * p.row:hi * p.row])
-        shape = (hi - lo, *p.shape[1:]) if p.shape else (hi - lo,)
-        shard = torch.nn.Parameter(view.view(shape), requires_grad=p.requires_grad)
-        shard._mpidist_shard = ShardInfo(p.shape, lo, hi, comm)  # type: ignore[attr-defined]
+            view.copy_(p.shard.detach().reshape(-1)[info.flat])
+        shard = torch.nn.Parameter(view.view(hi - lo, *p.shape[1:]),
+                                   requires_grad=p.requires_grad)
+        shard._mpidist_shard = info  # type: ignore[attr-defined]
         _SHARDED_ORIGINALS[id(p.shard)] = (weakref.ref(p.shard), p.name)
         full = torch.nn.Parameter(unit.full_flat[p.full_off:p.full_off + p.numel].view(p.shape),
                                   requires_grad=p.requires_grad)
@@ -395,7 +383,7 @@ def _collect(module: torch.nn.Module, size: int) -> tuple[str | None, list[_Para
     if len(kinds) > 1 and error is None:
         error = (f"the unit's parameters have several dtypes/devices {sorted(map(str, kinds))}; "
                  "fully_shard needs one per unit")
-    if params and params[0].shard.dtype not in (torch.float32, torch.float64) and error is None:
+    if params and params[0].shard.dtype not in REDUCIBLE and error is None:
         error = f"dtype {params[0].shard.dtype}: fully_shard reduces float32 and float64"
     return error, params
 
@@ -495,13 +483,9 @@ def _finish(ctx: _Context) -> None:
                              dtype=torch.int32)
         if flags.numel() and ctx.root.comm.Get_size() > 1:
             C.allreduce(flags.numpy(), "max", comm=ctx.root.comm)
-        k = 0
+        got = iter(flags.tolist())
         for u in synced:
-            anywhere = {}
-            for p in u.params:
-                anywhere[p] = bool(flags[k])
-                k += 1
-            u.finish_reduce(anywhere)
+            u.finish_reduce({p: bool(next(got)) for p in u.params})
     finally:
         ctx.reduced = []
         ctx.in_backward = False
@@ -518,14 +502,11 @@ def gathered_bytes(module: torch.nn.Module) -> dict[str, int]:
     Not collective."""
     unit: _Unit = module._mpidist_unit  # type: ignore[assignment]
     ctx = unit.ctx
-    units = ctx.order if ctx is not None else [unit]
-    sizes = sorted((u.full_numel * u.full_flat.element_size() for u in units), reverse=True)
-    out = {"alive": ctx.alive if ctx else 0, "peak": ctx.peak if ctx else 0,
-           "largest_unit": sizes[0] if sizes else 0,
-           "root_unit": (ctx.root.full_numel * ctx.root.full_flat.element_size()
-                         if ctx else 0)}
-    if ctx is not None:
-        ctx.peak = ctx.alive
+    if ctx is None:
+        return {"alive": 0, "peak": 0, "largest_unit": unit.full_bytes, "root_unit": 0}
+    out = {"alive": ctx.alive, "peak": ctx.peak, "root_unit": ctx.root.full_bytes,
+           "largest_unit": max((u.full_bytes for u in ctx.order), default=0)}
+    ctx.peak = ctx.alive
     return out
 
 
@@ -542,16 +523,14 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float,
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max() for g in grads]).max()
-        total = torch.tensor([float(local)], dtype=torch.float64)
-        C.allreduce(total.numpy(), "max", comm=unit.comm)
-        norm = total[0]
+    inf = math.isinf(norm_type)
+    if inf:
+        local = float(torch.stack([g.detach().abs().max() for g in grads]).max())
     else:
         local = sum(float(g.detach().double().abs().pow(norm_type).sum()) for g in grads)
-        total = torch.tensor([local], dtype=torch.float64)
-        C.allreduce(total.numpy(), "sum", comm=unit.comm)
-        norm = total[0] ** (1.0 / norm_type)
+    total = torch.tensor([local], dtype=torch.float64)
+    C.allreduce(total.numpy(), "max" if inf else "sum", comm=unit.comm)
+    norm = total[0] if inf else total[0] ** (1.0 / norm_type)
     coef = clip_coefficient(max_norm, float(norm))
     if coef < 1.0:
         for g in grads:

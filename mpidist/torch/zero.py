@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mpidist.core import collectives as C
-from mpidist.torch._common import agree, host_view, resolve_comm
+from mpidist.torch._common import HostView, agree, resolve_comm
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -228,7 +228,7 @@ class _Layout:
                 view.copy_(p.detach())
                 p.data = view
                 offset += p.numel()
-        self.view = host_view(self.flat)
+        self.view = HostView(self.flat)
 
     def allgather(self, comm: Any) -> None:
         """Every rank's segment to every rank, in place. Collective over ``comm``."""
