@@ -9,10 +9,9 @@ as one Numba kernel (:mod:`mpidist.nn.fused_cpu`; NumPy arrays) or one ``numba.c
 transcription below, which is the reference the kernels are tested against.
 
 Which one runs is set by the environment variable ``MPIDIST_NN_KERNELS`` (``numba``, the
-default, or ``numpy``; the older ``MPIDIST_NN_NUMBA=0`` means ``numpy``) or at run time by
-:func:`set_kernels` / :func:`use_kernels`. Without Numba the NumPy path runs. The Numba
-kernels run serial unless ``MPIDIST_NN_PARALLEL=1`` (see :mod:`mpidist.nn.fused_cpu`). No
-function here communicates.
+default, or ``numpy``) or at run time by :func:`set_kernels` / :func:`use_kernels`. Without
+Numba the NumPy path runs. The Numba kernels run serial unless ``MPIDIST_NN_PARALLEL=1`` (see
+:mod:`mpidist.nn.fused_cpu`). No function here communicates.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ __all__ = [
     "layer_norm_backward_input",
     "layer_norm_backward_weight",
     "set_kernels",
+    "tanh_term",
     "use_kernels",
     "warm_up",
 ]
@@ -61,8 +61,6 @@ _CHOICES = ("numba", "numpy")
 
 
 def _initial_choice() -> str:
-    if os.environ.get("MPIDIST_NN_NUMBA", "1") == "0":
-        return "numpy"
     choice = os.environ.get("MPIDIST_NN_KERNELS", "numba").strip().lower() or "numba"
     if choice not in _CHOICES:
         raise ValueError(f"MPIDIST_NN_KERNELS={choice!r} is not one of {list(_CHOICES)}")
@@ -295,18 +293,9 @@ def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
                         dw: Any, db: Any) -> Any:
     """Input gradient of :func:`layer_norm` (a new array); ``dw``, ``db`` accumulate the
     parameter gradients in place."""
-    if _on_device(dy, x, w):
-        return _cuda().layer_norm_backward(dy, x, w, mean, rstd, dw, db)
-    n, c = x.shape
-    if _numba(dy, x, w, mean, rstd):
-        dx = np.empty(x.shape, dtype=x.dtype)
-        part = np.zeros((_cpu.chunks(n), 2, c))
-        _cpu.layer_norm_backward(_c(dy), _c(x), _c(w), _c(mean), _c(rstd), dx, dw, db, part)
-        return dx
-    g, dw_part, db_part = _layer_norm_backward_numpy(dy, x, w, mean, rstd)
-    dw += dw_part
-    db += db_part
-    return g
+    dx, kept = layer_norm_backward_input(dy, x, w, mean, rstd)
+    layer_norm_backward_weight(kept, dw, db)
+    return dx
 
 
 def _layer_norm_backward_numpy(dy: Any, x: Any, w: Any, mean: Any, rstd: Any
@@ -363,7 +352,8 @@ def layer_norm_backward_weight(kept: tuple, dw: Any, db: Any) -> None:
 
 
 # -- GELU (tanh approximation) with the bias add --------------------------------------------
-def _tanh_term(h: np.ndarray) -> np.ndarray:
+def tanh_term(h: np.ndarray) -> np.ndarray:
+    """``tanh(sqrt(2/pi) (h + 0.044715 h^3))``, a new array (NumPy)."""
     t = h * h
     t *= GELU_A
     t += 1.0
@@ -388,7 +378,7 @@ def bias_gelu(h: Any, b: Any | None = None) -> Any:
         return y
     if b is not None:
         h += b
-    y = _tanh_term(h)
+    y = tanh_term(h)
     y += 1.0
     y *= h
     y *= 0.5
@@ -414,7 +404,7 @@ def bias_gelu_backward(h: Any, dy: Any, db: Any | None = None, inplace: bool = F
         if db is not None:
             db += out.sum(axis=0)
         return (out, y) if output else out
-    t = _tanh_term(h)
+    t = tanh_term(h)
     d = gelu_tanh_backward(h, t, dy)
     if db is not None:
         db += d.sum(axis=0)

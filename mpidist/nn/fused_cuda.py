@@ -20,6 +20,8 @@ from numba import cuda
 from mpidist.optim.kernels import cuda as K
 from mpidist.optim.kernels import is_device_array
 
+from .fused_cpu import GELU_A, GELU_C
+
 __all__ = [
     "bias_gelu",
     "bias_gelu_backward",
@@ -30,11 +32,10 @@ __all__ = [
     "cross_entropy_backward",
     "embedding_backward",
     "layer_norm",
-    "layer_norm_backward",
+    "layer_norm_backward_dwdb",
+    "layer_norm_backward_dx",
 ]
 
-GELU_C = math.sqrt(2.0 / math.pi)
-GELU_A = 0.044715
 _THREADS = 128
 
 
@@ -183,18 +184,8 @@ def layer_norm(x: Any, w: Any, b: Any, eps: float) -> tuple[Any, Any, Any]:
     return out, mean, rstd
 
 
-def layer_norm_backward(dy: Any, x: Any, w: Any, mean: Any, rstd: Any,
-                        dw: Any, db: Any) -> Any:
-    """See :func:`mpidist.nn.fused.layer_norm_backward`."""
-    dy, x, w, mean, rstd = _dev(dy), _dev(x), _dev(w), _dev(mean), _dev(rstd)
-    dx = cuda.device_array(x.shape, dtype=x.dtype)
-    _layer_norm_dx[_grid(x.shape[0])](dy, x, w, mean, rstd, dx)
-    _layer_norm_dwdb[_grid(x.shape[1])](dy, x, mean, rstd, _dev(dw), _dev(db))
-    return dx
-
-
 def layer_norm_backward_dx(dy: Any, x: Any, w: Any, mean: Any, rstd: Any) -> Any:
-    """The input-gradient kernel of :func:`layer_norm_backward` alone."""
+    """The input gradient of :func:`mpidist.nn.fused.layer_norm_backward`."""
     dy, x, w, mean, rstd = _dev(dy), _dev(x), _dev(w), _dev(mean), _dev(rstd)
     dx = cuda.device_array(x.shape, dtype=x.dtype)
     _layer_norm_dx[_grid(x.shape[0])](dy, x, w, mean, rstd, dx)
@@ -202,7 +193,7 @@ def layer_norm_backward_dx(dy: Any, x: Any, w: Any, mean: Any, rstd: Any) -> Any
 
 
 def layer_norm_backward_dwdb(dy: Any, x: Any, mean: Any, rstd: Any, dw: Any, db: Any) -> None:
-    """The parameter-gradient kernel of :func:`layer_norm_backward` alone (``+=``)."""
+    """Its parameter gradients (``+=``), a kernel of its own."""
     _layer_norm_dwdb[_grid(x.shape[1])](_dev(dy), _dev(x), _dev(mean), _dev(rstd), _dev(dw),
                                         _dev(db))
 

@@ -7,7 +7,6 @@ in float32 end to end. Constants are Python floats so NumPy never promotes float
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
@@ -54,6 +53,21 @@ def float_input(x: object, dtype: np.dtype, who: str) -> np.ndarray:
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"{who}: input dtype {arr.dtype} is not numeric")
     return arr.astype(dtype, copy=False)
+
+
+def check_ids(ids: object, num_embeddings: int, who: str) -> np.ndarray:
+    """``ids`` as an integer array; ``ValueError`` naming ``who`` for non-integers or ids
+    outside ``[0, num_embeddings)``. Pure."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{who}: ids must be integers, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"{who}: id {lo} is negative")
+        if hi >= num_embeddings:
+            raise ValueError(f"{who}: id {hi} is out of range for num_embeddings={num_embeddings}")
+    return arr
 
 
 class Linear(Module):
@@ -187,25 +201,9 @@ class Embedding(Module):
             "weight", (self.num_embeddings, self.embedding_dim), "normal", scale
         )
 
-    def check_ids(self, ids: object) -> np.ndarray:
-        """``ids`` as an integer array; ``ValueError`` for non-integers or ids out of range."""
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{self.name}: ids must be integers, got dtype {arr.dtype}")
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0:
-                raise ValueError(f"{self.name}: id {lo} is negative")
-            if hi >= self.num_embeddings:
-                raise ValueError(
-                    f"{self.name}: id {hi} is out of range for "
-                    f"num_embeddings={self.num_embeddings}"
-                )
-        return arr
-
     def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        arr = self.check_ids(ids)
+        arr = check_ids(ids, self.num_embeddings, self.name)
         self._save(ctx, arr)
         return w[arr]
 
@@ -278,18 +276,9 @@ class LayerNorm(Module):
                                      self.grad("bias"))
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-_GELU_A = 0.044715
-
-
 def gelu_tanh(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GELU with GPT-2's tanh approximation; returns ``(y, tanh_term)`` (backward reuses it)."""
-    t = x * x
-    t *= _GELU_A
-    t += 1.0
-    t *= x
-    t *= _GELU_C
-    np.tanh(t, out=t)
+    t = F.tanh_term(x)
     y = t + 1.0
     y *= x
     y *= 0.5
@@ -410,6 +399,17 @@ class Dropout(Module):
         return dy if mask is None else dy * mask
 
 
+ACTIVATIONS: dict[str, type[Module]] = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
+
+
+def make_activation(name: str | None) -> Module | None:
+    """A new activation module by name (``None``: no activation); ValueError for a name not
+    in :data:`ACTIVATIONS`. Not collective."""
+    if name is not None and name not in ACTIVATIONS:
+        raise ValueError(f"activation={name!r} is not one of {sorted(ACTIVATIONS)}")
+    return None if name is None else ACTIVATIONS[name]()
+
+
 class Dense(Linear):
     """``activation(x @ weight + bias)``: one unit of an MLP (parameters ``weight``, ``bias``).
 
@@ -417,14 +417,10 @@ class Dense(Linear):
     ``±1/sqrt(in_features)``, biases zero.
     """
 
-    _ACTS = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
-
     def __init__(self, in_features: int, out_features: int, activation: str | None = "relu"):
         super().__init__(in_features, out_features, True, init="uniform")
-        if activation is not None and activation not in self._ACTS:
-            raise ValueError(f"activation={activation!r} is not one of {sorted(self._ACTS)}")
+        self._act = make_activation(activation)
         self.activation = activation
-        self._act: Module | None = None if activation is None else self._ACTS[activation]()
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         y = super().forward(x, ctx)

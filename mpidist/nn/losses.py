@@ -19,13 +19,30 @@ from .module import Module
 __all__ = ["CrossEntropyLoss", "MSELoss"]
 
 
-def _normalizer(normalizer: float | None, count: int) -> float:
-    if normalizer is None:
-        normalizer = count
-    n = float(normalizer)
+def resolve_normalizer(normalizer: float | None, count: int) -> float:
+    """``normalizer`` (default ``count``) as a float; ValueError unless it is > 0."""
+    n = float(count if normalizer is None else normalizer)
     if not n > 0:
         raise ValueError(f"normalizer={normalizer!r} must be > 0")
     return n
+
+
+def check_targets(targets: object, logits_shape: tuple[int, ...], n_classes: int) -> np.ndarray:
+    """``targets`` as an integer array shaped like the logits without their last axis, with
+    values in ``[0, n_classes)``; ValueError naming the bad shape, dtype or value. Pure."""
+    targets = np.asarray(targets)
+    if targets.shape != logits_shape[:-1]:
+        raise ValueError(
+            f"targets of shape {targets.shape} do not match logits of shape {logits_shape}"
+        )
+    if targets.dtype.kind not in "iu":
+        raise ValueError(f"targets must be integers, got dtype {targets.dtype}")
+    if targets.size:
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= n_classes:
+            raise ValueError(f"target {lo if lo < 0 else hi} is out of range for "
+                             f"{n_classes} classes")
+    return targets
 
 
 class CrossEntropyLoss(Module):
@@ -35,30 +52,14 @@ class CrossEntropyLoss(Module):
     ``sum(-log softmax(logits)[target]) / normalizer`` (default normaliser: number of targets).
     """
 
-    def forward(  # type: ignore[override]
-        self,
-        logits: np.ndarray,
-        targets: np.ndarray,
-        normalizer: float | None = None,
-        ctx: Hashable = None,
-    ) -> float:
+    def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
+                normalizer: float | None = None, ctx: Hashable = None) -> float:
         logits = np.asarray(logits)
-        targets = np.asarray(targets)
         if logits.dtype.kind != "f" or logits.ndim < 1:
             raise ValueError(f"logits of shape {logits.shape}, dtype {logits.dtype} are not float")
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"targets of shape {targets.shape} do not match logits of shape {logits.shape}"
-            )
-        if targets.dtype.kind not in "iu":
-            raise ValueError(f"targets must be integers, got dtype {targets.dtype}")
         v = logits.shape[-1]
-        if targets.size:
-            lo, hi = int(targets.min()), int(targets.max())
-            if lo < 0 or hi >= v:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"target {bad} is out of range for {v} classes")
-        norm = _normalizer(normalizer, targets.size)
+        targets = check_targets(targets, logits.shape, v)
+        norm = resolve_normalizer(normalizer, targets.size)
         z = logits.reshape(-1, v)
         t = targets.reshape(-1)
         total, lse = F.cross_entropy(z, t)
@@ -81,13 +82,8 @@ class MSELoss(Module):
     A 1-D ``pred`` is one feature per sample.
     """
 
-    def forward(  # type: ignore[override]
-        self,
-        pred: np.ndarray,
-        target: np.ndarray,
-        normalizer: float | None = None,
-        ctx: Hashable = None,
-    ) -> float:
+    def forward(self, pred: np.ndarray, target: np.ndarray,  # type: ignore[override]
+                normalizer: float | None = None, ctx: Hashable = None) -> float:
         pred = np.asarray(pred)
         if pred.dtype.kind != "f":
             raise ValueError(f"predictions of dtype {pred.dtype} are not float")
@@ -98,7 +94,7 @@ class MSELoss(Module):
             )
         n_features = pred.shape[-1] if pred.ndim > 1 else 1
         n_samples = pred.size // max(1, n_features)
-        norm = _normalizer(normalizer, n_samples)
+        norm = resolve_normalizer(normalizer, n_samples)
         diff = pred - target.astype(pred.dtype, copy=False)
         self._save(ctx, (diff, norm * n_features))
         return float(np.sum(diff * diff, dtype=np.float64)) / (norm * n_features)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -246,42 +246,28 @@ class Module:
     def param(self, local: str) -> np.ndarray:
         """The bound array of parameter ``local``; raises if unbound."""
         p = self._params.get(local)
-        if p is None:
-            if local not in self._params:
-                raise KeyError(f"{self.name} has no parameter {local!r}")
-            raise UnboundParameterError(
-                f"parameter {self.full_name(local)!r} is not bound to storage; call "
-                "model.build() or module.bind(params, grads) before running the module"
-            )
-        return p
+        return self._unbound(local, "parameter") if p is None else p
 
     def grad(self, local: str) -> np.ndarray:
         """The bound gradient array of parameter ``local``; raises if unbound."""
         g = self._grads.get(local)
-        if g is None:
-            if local not in self._grads:
-                raise KeyError(f"{self.name} has no parameter {local!r}")
-            raise UnboundParameterError(
-                f"gradient of {self.full_name(local)!r} is not bound; bind a gradient buffer "
-                "(module.bind(params, grads)) before calling backward"
-            )
-        return g
+        return self._unbound(local, "gradient of") if g is None else g
+
+    def _unbound(self, local: str, what: str) -> NoReturn:
+        if local not in self._params:
+            raise KeyError(f"{self.name} has no parameter {local!r}")
+        raise UnboundParameterError(
+            f"{what} {self.full_name(local)!r} is not bound to storage; call model.build() or "
+            "module.bind(params, grads) before running the module"
+        )
 
     def parameters(self) -> dict[str, np.ndarray]:
         """``{full name: bound array}`` of the owned parameters of the tree."""
-        return {
-            f"{mod.prefix}{local}": mod.param(local)
-            for mod in self.modules()
-            for local in mod._specs
-        }
+        return {f"{m.prefix}{local}": m.param(local) for m in self.modules() for local in m._specs}
 
     def gradients(self) -> dict[str, np.ndarray]:
         """``{full name: bound gradient array}`` of the owned parameters of the tree."""
-        return {
-            f"{mod.prefix}{local}": mod.grad(local)
-            for mod in self.modules()
-            for local in mod._specs
-        }
+        return {f"{m.prefix}{local}": m.grad(local) for m in self.modules() for local in m._specs}
 
     @property
     def dtype(self) -> np.dtype:
@@ -344,18 +330,17 @@ class Module:
         for :meth:`backward_weight`): every context's (e.g. after an evaluation forward), or
         only those of ``ctx`` with ``every=False``."""
         for mod in self.modules():
-            deferred = mod.__dict__.get("_deferred", {})
             if every:
                 mod._cache.clear()
-                deferred.clear()
+                mod._deferred.clear()
             else:
                 mod._cache.pop(ctx, None)
-                deferred.pop(ctx, None)
+                mod._deferred.pop(ctx, None)
 
     def pending_weight_contexts(self) -> set[Hashable]:
         """The contexts whose :meth:`backward_input` ran somewhere in the tree but whose
         :meth:`backward_weight` has not yet. Not collective."""
-        return {ctx for mod in self.modules() for ctx in mod.__dict__.get("_deferred", {})}
+        return {ctx for mod in self.modules() for ctx in mod._deferred}
 
     # -- forward / backward -------------------------------------------------------------
     def forward(self, x: Any, ctx: Hashable = None) -> Any:

@@ -16,17 +16,8 @@ matrix of a model over its ranks:
 (``{"blocks.*.attn.qkv": ColwiseParallel(groups=3), "blocks.*.mlp.fc": "colwise", ...}``);
 :func:`TensorParallelGPT` is ``parallelize(GPT(config), GPT_PLAN, comm=comm)``.
 
-Communication happens only in the four mappings (design idea 8, in
-:mod:`mpidist.nn.tp_mappings`), each one class with its forward and backward side by side:
-
-=========================  ==================  ==================
-mapping                    forward             backward
-=========================  ==================  ==================
-:class:`CopyToTensorParallel`      identity            allreduce
-:class:`ReduceFromTensorParallel`  allreduce           identity
-:class:`GatherFromTensorParallel`  allgather (last axis)  split
-:class:`ScatterToTensorParallel`   split (last axis)   allgather
-=========================  ==================  ==================
+Communication happens only in the four mappings of :mod:`mpidist.nn.tp_mappings` (design
+idea 8: copy, reduce, gather, scatter, each with its forward and backward side by side).
 
 Parameters keep the single-process names (``"blocks.0.attn.qkv.weight"``); each rank holds
 a slice of the global tensor, recorded as a :class:`TPPartition` (see :func:`tp_partition`),
@@ -51,8 +42,10 @@ import numpy as np
 
 from mpidist.core import collectives as C
 
+from . import fused as F
 from .init import fan_in_bound, init_value
-from .layers import GELU, Embedding, Linear, ReLU, Tanh, matmul_rows
+from .layers import Embedding, Linear, check_ids, make_activation, matmul_rows
+from .losses import check_targets, resolve_normalizer
 from .models import GPT, GPTConfig
 from .module import Module
 from .tp_mappings import (
@@ -101,7 +94,6 @@ __all__ = [
     "tp_partition",
     "tp_partitions",
 ]
-
 
 
 # -- partitions ---------------------------------------------------------------------------
@@ -153,7 +145,6 @@ class TPPartition(NamedTuple):
     def take(self, full: np.ndarray) -> np.ndarray:
         """This rank's slice of a global tensor (a contiguous copy)."""
         return np.ascontiguousarray(full[self.index(full.shape)])
-
 
 
 class TensorParallelModule(Module):
@@ -213,15 +204,6 @@ def tp_partition(module: Module, name: str) -> TPPartition | None:
 
 
 # -- parallel layers ------------------------------------------------------------------------
-_ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
-
-
-def _activation(name: str | None) -> Module | None:
-    if name is not None and name not in _ACTIVATIONS:
-        raise ValueError(f"activation={name!r} is not one of {sorted(_ACTIVATIONS)}")
-    return None if name is None else _ACTIVATIONS[name]()
-
-
 def _no_deferred_bias(layer: Linear, add_bias: bool, more: bool) -> None:
     if not add_bias and more:
         raise ValueError(f"{layer.name}: add_bias=False leaves the bias to the caller, which "
@@ -250,12 +232,10 @@ class ColumnParallelLinear(Linear, TensorParallelModule):
             raise ValueError(f"tp={size} does not divide out_features={out_features}"
                              + (f" / {groups} blocks" if groups > 1 else ""))
         lo, hi = _split(out_features // groups, size, rank, "out_features per block")
-        if scale is None:
-            scale = 0.02 if init == "normal" else fan_in_bound(in_features)
         super().__init__(in_features, (hi - lo) * groups, bias, init=init, scale=scale)
         self.full_out_features = int(out_features)
         self.copy_in = CopyToTensorParallel(comm)
-        self.act = _activation(activation)
+        self.act = make_activation(activation)
         self.gather = GatherFromTensorParallel(comm) if gather_output else None
         self.split_parameter("weight", (self.in_features, out_features),
                              TPPartition(1, lo, hi, groups))
@@ -313,7 +293,7 @@ class RowParallelLinear(Linear, TensorParallelModule):
         self.full_in_features = int(in_features)
         self.scatter = None if input_is_parallel else ScatterToTensorParallel(comm)
         self.reduce_out = ReduceFromTensorParallel(comm)
-        self.act = _activation(activation)
+        self.act = make_activation(activation)
         self.split_parameter("weight", (in_features, self.out_features), TPPartition(0, lo, hi))
 
     def forward(self, x: np.ndarray, ctx: Hashable = None, *, add_bias: bool = True,
@@ -368,13 +348,7 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{self.name}: ids must be integers, got dtype {arr.dtype}")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_embeddings):
-            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-            raise ValueError(f"{self.name}: id {bad} is out of range for "
-                             f"num_embeddings={self.num_embeddings}")
+        arr = check_ids(ids, self.num_embeddings, self.name)
         mine = (arr >= self.lo) & (arr < self.hi)
         local = np.where(mine, arr - self.lo, 0)
         y = w[local]
@@ -399,18 +373,9 @@ class VocabParallelEmbedding(TensorParallelModule):
         super().backward_weight(ctx)
 
     def _accumulate(self, local: np.ndarray, mine: np.ndarray, dy: np.ndarray) -> None:
-        g = self.grad("weight")
-        rows = local.reshape(-1)
-        dy2 = dy.reshape(-1, self.embedding_dim) * mine.reshape(-1, 1)
-        n = g.shape[0]
-        if n <= 4096 and rows.size >= n:
-            # Small vocabulary: a one-hot matmul runs in BLAS (as Embedding does).
-            onehot = np.zeros((n, rows.size), dtype=g.dtype)
-            onehot[rows, np.arange(rows.size)] = 1
-            g += onehot @ dy2
-        else:
-            np.add.at(g, rows, dy2)
-
+        # Rows of ids this rank does not hold add zeros to row 0.
+        F.embedding_backward(self.grad("weight"), local.reshape(-1),
+                             dy.reshape(-1, self.embedding_dim) * mine.reshape(-1, 1))
 
 
 class VocabParallelLMHead(TensorParallelModule):
@@ -433,6 +398,7 @@ class VocabParallelLMHead(TensorParallelModule):
             self.split_parameter("weight", (self.vocab_size, self.n_embd), TPPartition(0, lo, hi))
         else:
             self.register_shared("weight", tied_to, "weight")
+
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
         if x.shape[-1] != self.n_embd:
@@ -443,10 +409,8 @@ class VocabParallelLMHead(TensorParallelModule):
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         x = self._take(ctx)
-        w = self.param("weight")
-        self.grad("weight")[...] += (dy.reshape(-1, self.local_vocab).T
-                                     @ x.reshape(-1, self.n_embd))
-        return self.copy_in.backward(matmul_rows(dy, w), ctx)
+        self._accumulate(x, dy)
+        return self.copy_in.backward(matmul_rows(dy, self.param("weight")), ctx)
 
     def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         """The input gradient (summed over tp); keeps the input and ``dy`` for
@@ -457,10 +421,12 @@ class VocabParallelLMHead(TensorParallelModule):
         return dx
 
     def backward_weight(self, ctx: Hashable = None) -> None:
-        x, dy = self._take_deferred(ctx)
+        self._accumulate(*self._take_deferred(ctx))
+        super().backward_weight(ctx)
+
+    def _accumulate(self, x: np.ndarray, dy: np.ndarray) -> None:
         self.grad("weight")[...] += (dy.reshape(-1, self.local_vocab).T
                                      @ x.reshape(-1, self.n_embd))
-        super().backward_weight(ctx)
 
 
 class VocabParallelCrossEntropy(Module):
@@ -480,29 +446,14 @@ class VocabParallelCrossEntropy(Module):
         size, rank = _group(comm)
         self.lo, self.hi = _split(self.vocab_size, size, rank, "vocab_size")
 
-    def forward(  # type: ignore[override]
-        self, logits: np.ndarray, targets: np.ndarray, normalizer: float | None = None,
-        ctx: Hashable = None,
-    ) -> float:
+    def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
+                normalizer: float | None = None, ctx: Hashable = None) -> float:
         logits = np.asarray(logits)
-        targets = np.asarray(targets)
         vl = self.hi - self.lo
         if logits.dtype.kind != "f" or logits.shape[-1:] != (vl,):
             raise ValueError(f"logits of shape {logits.shape} are not this rank's {vl} classes")
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"targets of shape {targets.shape} do not match logits of shape {logits.shape}"
-            )
-        if targets.dtype.kind not in "iu":
-            raise ValueError(f"targets must be integers, got dtype {targets.dtype}")
-        if targets.size:
-            lo, hi = int(targets.min()), int(targets.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"target {bad} is out of range for {self.vocab_size} classes")
-        norm = float(targets.size if normalizer is None else normalizer)
-        if not norm > 0:
-            raise ValueError(f"normalizer={normalizer!r} must be > 0")
+        targets = check_targets(targets, logits.shape, self.vocab_size)
+        norm = resolve_normalizer(normalizer, targets.size)
         z = logits.reshape(-1, vl)
         m = z.max(axis=-1)
         C.allreduce(m, "max", comm=self.comm)
