@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from mpidist.checkpoint.format import (
     CheckpointError,
@@ -17,7 +19,8 @@ from mpidist.checkpoint.format import (
 from mpidist.core.comms import size_rank
 
 __all__ = ["ERRORS", "IO_MODES", "Failure", "agree", "capture_failure", "describe_error",
-           "first_failure", "fsync_path", "h5py_module", "io_mode", "size_rank"]
+           "first_failure", "fsync_path", "h5py_module", "io_mode", "on_root", "size_rank",
+           "sum_over"]
 
 #: The I/O modes (``MPIDIST_CHECKPOINT_IO``); see :mod:`mpidist.checkpoint.io`.
 IO_MODES = ("posix", "mpio", "serial")
@@ -29,7 +32,6 @@ def h5py_module() -> Any:
     import h5py
 
     return h5py
-
 
 
 def io_mode(comm: Any, serial: bool | None) -> str:
@@ -77,17 +79,43 @@ class Failure(Exception):
 
 def agree(comm: Any, failure: Failure | None) -> None:
     """Collective over ``comm``: raise the first rank's failure on every rank, if any."""
-    size, _ = size_rank(comm)
-    if size == 1:
+    if comm is None or comm.Get_size() == 1:
         if failure is not None:
             raise failure.cls(str(failure))
         return
-    payload = None if failure is None else (failure.cls.__name__, str(failure))
-    everyone = comm.allgather(payload)
+    everyone = comm.allgather(None if failure is None else (failure.cls.__name__, str(failure)))
     for r, item in enumerate(everyone):
         if item is not None:
-            cls = ERRORS.get(item[0], CheckpointError)
-            raise cls(f"[rank {r}] {item[1]}" if size > 1 else item[1])
+            raise ERRORS.get(item[0], CheckpointError)(f"[rank {r}] {item[1]}")
+
+
+def on_root(comm: Any, fn: Callable[[], Any], context: str = "") -> Any:
+    """``fn()`` run on rank 0 of ``comm`` (None: one process), its result on every rank.
+
+    Collective. A failure of ``fn`` raises on every rank, as its own class, its message
+    prefixed with ``[rank 0] <context>: `` when ``context`` is given.
+    """
+    result = error = None
+    if comm is None or comm.Get_rank() == 0:
+        with capture_failure() as box:
+            result = fn()
+        if box:
+            error = (box[0].cls.__name__, str(box[0]))
+    if comm is not None:
+        result, error = comm.bcast((result, error), root=0)
+    if error is not None:
+        raise ERRORS.get(error[0], CheckpointError)(
+            f"[rank 0] {context}: {error[1]}" if context else error[1])
+    return result
+
+
+def sum_over(comm: Any, sums: np.ndarray) -> np.ndarray:
+    """``sums`` (uint64) added up over ``comm`` in place, wrapping mod 2**64. Collective."""
+    if comm is not None:
+        from mpi4py import MPI
+
+        comm.Allreduce(MPI.IN_PLACE, [sums, MPI.UINT64_T], op=MPI.SUM)
+    return sums
 
 
 @contextlib.contextmanager

@@ -1,19 +1,10 @@
 """The checkpoint format: names, metadata, flat-range hyperslabs and the checksum.
 
-Everything here is pure (no MPI, no file I/O) so that the writer, the parallel reader, the
-serial tools and the tests share one definition. The format itself is specified in
-``docs/checkpoint-format.md``; this module is its executable form.
-
-Checksum ("bitsum64", format version 1). For a tensor of ``n`` elements, flatten it in C
-order and let ``bits_i`` be the little-endian bit pattern of element ``i`` read as an
-unsigned integer of the element's width (1, 2, 4 or 8 bytes), zero-extended to 64 bits::
-
-    S1 = sum(bits_i)              mod 2**64
-    S2 = sum((i + 1) * bits_i)    mod 2**64      (i = 0 .. n-1, the global flat index)
-
-Both sums are additive over disjoint ranges, so each rank sums its own pieces and one
-integer Allreduce (wrapping mod 2**64) gives the tensor's checksum whatever the sharding;
-S2 is position dependent, so swapped or shifted pieces are caught as well as flipped bits.
+Pure (no MPI, no file I/O): the writer, the parallel reader, the serial tools and the tests
+share this one definition of ``docs/checkpoint-format.md``. The checksum ("bitsum64")
+of a tensor is ``S1 = sum(bits_i)`` and ``S2 = sum((i + 1) * bits_i)`` mod 2**64 over the
+little-endian bit patterns of its C-order elements: additive over disjoint ranges, so each
+rank sums its own pieces and one integer Allreduce gives the tensor's checksum.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,8 +156,7 @@ def validate_names(tensors: Mapping[str, TensorInfo]) -> None:
             raise ValueError(
                 f"tensor {name!r} has dtype {info.dtype!r}; supported: {sorted(SUPPORTED_DTYPES)}"
             )
-    groups = {"/".join(n.split("/")[:k]) for n in tensors for k in range(1, n.count("/") + 1)}
-    clash = sorted(groups & set(tensors))
+    clash = sorted(set(group_paths(tensors)) & set(tensors))
     if clash:
         raise ValueError(f"tensor name(s) {clash} are also groups of other tensor names")
 
@@ -194,6 +184,38 @@ def check_flat(name: str, flat: Any, numel: int) -> tuple[int, int]:
             f"piece of {name!r}: flat range [{a}, {b}) is outside the tensor's {numel} elements"
         )
     return a, b
+
+
+def piece_rows(pieces: Sequence[Piece], infos: Mapping[str, TensorInfo],
+               index: Mapping[str, int], *, reading: str = "") -> np.ndarray:
+    """``(tensor index, start, stop)`` of each piece, after checking it. Not collective.
+
+    Pieces to write carry their data; with ``reading`` (the file's path) they are requests
+    whose ``data`` is the writable, contiguous array to read into.
+    """
+    what, arr = ("request for", "out") if reading else ("piece of", "data")
+    rows = np.empty((len(pieces), 3), dtype=np.int64)
+    for k, p in enumerate(pieces):
+        if p.name not in infos:
+            if reading:
+                raise CheckpointMismatchError(
+                    f"request for tensor {p.name!r}, which {reading!r} does not hold")
+            raise ValueError(f"piece names tensor {p.name!r}, which is not in `tensors`")
+        info = infos[p.name]
+        a, b = check_flat(p.name, p.flat, info.numel)
+        data = p.data
+        if not isinstance(data, np.ndarray) or data.ndim != 1 or reading and not (
+                data.flags.c_contiguous and data.flags.writeable):
+            kind = "writable, contiguous 1-D" if reading else "1-D"
+            raise ValueError(f"{what} {p.name!r}: {arr} must be a {kind} numpy array")
+        if data.shape[0] != b - a:
+            raise ValueError(f"{what} {p.name!r}: {arr} has {data.shape[0]} elements for "
+                             f"range [{a}, {b})")
+        if data.dtype.name != info.dtype:
+            differs = "differs from the stored" if reading else "!="
+            raise ValueError(f"{what} {p.name!r}: {arr} dtype {data.dtype} {differs} {info.dtype}")
+        rows[k] = (index[p.name], a, b)
+    return rows
 
 
 def flat_blocks(shape: tuple[int, ...], start: int,

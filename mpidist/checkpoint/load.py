@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -9,13 +10,14 @@ from typing import Any
 import numpy as np
 
 from mpidist.checkpoint.agreement import (
-    ERRORS,
     agree,
     capture_failure,
     first_failure,
     h5py_module,
     io_mode,
+    on_root,
     size_rank,
+    sum_over,
 )
 from mpidist.checkpoint.format import (
     CheckpointError,
@@ -25,9 +27,9 @@ from mpidist.checkpoint.format import (
     TensorInfo,
     as_piece,
     as_tensor_infos,
-    check_flat,
     checksum_update,
     compare_tensors,
+    piece_rows,
 )
 from mpidist.checkpoint.header import read_header, read_header_offsets
 from mpidist.checkpoint.paths import latest_checkpoint
@@ -35,6 +37,7 @@ from mpidist.checkpoint.storage import (
     MAX_TRANSFER_BYTES,
     dataset_dtype,
     pread_array,
+    read_chunks,
     read_range,
 )
 
@@ -52,28 +55,21 @@ def verify_plan(reqs_of: Sequence[np.ndarray], numels: Sequence[int], size: int,
     turn. Returns this rank's ``(request index, start, stop)`` and ``(tensor, start, stop)``
     ranges. Every rank computes the same plan from the same gathered table.
     """
-    rows = [(int(t), int(a), int(b), r, k) for r, reqs in enumerate(reqs_of)
-            for k, (t, a, b) in enumerate(reqs) if a < b]
-    rows.sort()
-    by_tensor: dict[int, list[tuple[int, int, int, int]]] = {}
-    for t, a, b, r, k in rows:
-        by_tensor.setdefault(t, []).append((a, b, r, k))
-    # tensors requested only with empty ranges still get verified
-    for reqs in reqs_of:
-        for t, _, _ in reqs:
-            by_tensor.setdefault(int(t), [])
+    rows = sorted((int(t), int(a), int(b), r, k) for r, reqs in enumerate(reqs_of)
+                  for k, (t, a, b) in enumerate(reqs))
     owned: list[tuple[int, int, int]] = []
     extra: list[tuple[int, int, int]] = []
     turn = 0
-    for t in sorted(by_tensor):
+    for t, group in itertools.groupby(rows, key=lambda row: row[0]):
         pos = 0
         gaps = []
-        for a, b, r, k in by_tensor[t]:
+        for _, a, b, r, k in group:
+            if a == b:
+                continue  # an empty request still gets its tensor verified
             if a > pos:
                 gaps.append((pos, a))
-            lo = max(a, pos)
-            if b > lo and r == rank:
-                owned.append((k, lo, b))
+            if b > max(a, pos) and r == rank:
+                owned.append((k, max(a, pos), b))
             pos = max(pos, b)
         if pos < numels[t]:
             gaps.append((pos, numels[t]))
@@ -163,13 +159,13 @@ def read_pieces(
     try:
         # 1. rank 0 reads and checks the header; everyone gets it (or its error).
         path, meta, infos, sums, mode, offsets = _agree_on_header(
-            path, comm, own, rank, expected, strict, serial)
+            path, comm, own, expected, strict, serial)
         names = list(infos)
 
         # 2. every rank checks its own requests; agree.
         with capture_failure() as box:
             reqs = [as_piece(q) for q in requests]
-            rows = _request_rows(reqs, infos, {n: t for t, n in enumerate(names)}, path)
+            rows = piece_rows(reqs, infos, {n: t for t, n in enumerate(names)}, reading=path)
         agree(own, first_failure(box))
 
         # 3. read, and sum what this rank is responsible for.
@@ -186,67 +182,28 @@ def read_pieces(
             own.Free()
 
 
-def _agree_on_header(path: str, comm: Any, own: Any, rank: int, expected: Any, strict: bool,
+def _agree_on_header(path: str, comm: Any, own: Any, expected: Any, strict: bool,
                      serial: bool | None) -> tuple[Any, ...]:
     """Rank 0 reads and checks the header and decides the I/O mode; every rank gets
     ``(path, meta, infos, sums, mode, offsets)`` or the same error. Collective over ``own``."""
-    header = failure = None
-    if rank == 0:
-        with capture_failure() as box:
-            # Rank 0 decides the I/O mode for everyone: ranks that disagreed would
-            # mix collective and independent opens and hang.
-            mode = io_mode(comm, serial)
-            if os.path.isdir(path):
-                found = latest_checkpoint(path)
-                if found is None:
-                    raise CheckpointError(f"no checkpoint in directory {path!r}")
-                path = found
-            meta, infos, sums, offsets = read_header_offsets(path)
-            header = (path, meta, infos, sums, mode)
-            if expected is not None:
-                exp = as_tensor_infos(expected)
-                msg = compare_tensors(header[2], exp, strict=strict)
-                if msg is not None:
-                    raise CheckpointMismatchError(f"{path!r}: {msg}")
-        failure = first_failure(box)
-    if own is not None:
-        header, failure = own.bcast((header, failure and (failure.cls.__name__,
-                                                            str(failure))), root=0)
-        if failure is not None:
-            raise ERRORS.get(failure[0], CheckpointError)(failure[1])
-    elif failure is not None:
-        raise failure.cls(str(failure))
-    path, meta, infos, sums, mode = header
-    if rank != 0:
-        offsets = np.empty(len(infos), dtype=np.int64)
-    if own is not None:
-        own.Bcast(offsets, root=0)
-    return path, meta, infos, sums, mode, offsets
 
+    def header(path: str = path) -> tuple[Any, ...]:
+        # Rank 0 decides the I/O mode for everyone: ranks that disagreed would mix
+        # collective and independent opens and hang.
+        mode = io_mode(comm, serial)
+        if os.path.isdir(path):
+            found = latest_checkpoint(path)
+            if found is None:
+                raise CheckpointError(f"no checkpoint in directory {path!r}")
+            path = found
+        meta, infos, sums, offsets = read_header_offsets(path)
+        if expected is not None:
+            msg = compare_tensors(infos, as_tensor_infos(expected), strict=strict)
+            if msg is not None:
+                raise CheckpointMismatchError(f"{path!r}: {msg}")
+        return path, meta, infos, sums, mode, offsets
 
-def _request_rows(reqs: Sequence[Piece], infos: Mapping[str, TensorInfo],
-                  index: Mapping[str, int], path: str) -> np.ndarray:
-    """``(tensor, start, stop)`` of each request, after checking it. Not collective."""
-    rows = np.empty((len(reqs), 3), dtype=np.int64)
-    for k, q in enumerate(reqs):
-        if q.name not in infos:
-            raise CheckpointMismatchError(
-                f"request for tensor {q.name!r}, which {path!r} does not hold")
-        info = infos[q.name]
-        a, b = check_flat(q.name, q.flat, info.numel)
-        out = q.data
-        if (not isinstance(out, np.ndarray) or out.ndim != 1
-                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise ValueError(f"request for {q.name!r}: out must be a writable, "
-                             "contiguous 1-D numpy array")
-        if out.shape[0] != b - a:
-            raise ValueError(f"request for {q.name!r}: out has {out.shape[0]} "
-                             f"elements for range [{a}, {b})")
-        if out.dtype.name != info.dtype:
-            raise ValueError(f"request for {q.name!r}: out dtype {out.dtype} differs "
-                             f"from the stored {info.dtype}")
-        rows[k] = (index[q.name], a, b)
-    return rows
+    return on_root(own, header)
 
 
 def _read_and_sum(path: str, mode: str, own: Any, names: Sequence[str],
@@ -288,10 +245,7 @@ def _compare_sums(path: str, part: np.ndarray, own: Any, reqs_of: Sequence[np.nd
                   names: Sequence[str], sums: Mapping[str, tuple[int, int]]) -> None:
     """Sum the partial checksums over the ranks and compare them with the stored ones.
     Collective over ``own``; the same verdict on every rank."""
-    if own is not None:
-        from mpi4py import MPI
-
-        own.Allreduce(MPI.IN_PLACE, [part, MPI.UINT64_T], op=MPI.SUM)
+    sum_over(own, part)
     checked = sorted({int(t) for rs in reqs_of for t in rs[:, 0]})
     bad = [names[t] for t in checked if (int(part[t, 0]), int(part[t, 1])) != sums[names[t]]]
     if bad:
@@ -303,13 +257,11 @@ def _compare_sums(path: str, part: np.ndarray, own: Any, reqs_of: Sequence[np.nd
 
 
 def sum_range(f: Reader, t: int, lo: int, hi: int, dtype: str,
-               sums: tuple[int, int]) -> tuple[int, int]:
-    step = max(1, MAX_TRANSFER_BYTES // np.dtype(dtype).itemsize // 4)
-    buf = np.empty(min(step, hi - lo), dtype=np.dtype(dtype))
-    for a in range(lo, hi, step):
-        b = min(hi, a + step)
-        f.read(t, a, buf[:b - a])
-        sums = checksum_update(sums, buf[:b - a], a)
+              sums: tuple[int, int]) -> tuple[int, int]:
+    """``sums`` plus the checksum of elements ``[lo, hi)`` of tensor ``t``, read from ``f``."""
+    for a, chunk in read_chunks(lambda a, out: f.read(t, a, out), lo, hi, dtype,
+                                MAX_TRANSFER_BYTES // 4):
+        sums = checksum_update(sums, chunk, a)
     return sums
 
 

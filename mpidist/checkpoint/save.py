@@ -24,7 +24,9 @@ from mpidist.checkpoint.agreement import (
     fsync_path,
     h5py_module,
     io_mode,
+    on_root,
     size_rank,
+    sum_over,
 )
 from mpidist.checkpoint.format import (
     CHECKSUM_ALGORITHM,
@@ -35,9 +37,9 @@ from mpidist.checkpoint.format import (
     TensorInfo,
     as_piece,
     as_tensor_infos,
-    check_flat,
     checksum_update,
     encode_attrs,
+    piece_rows,
     validate_names,
 )
 from mpidist.checkpoint.paths import retain, write_latest
@@ -53,28 +55,6 @@ from mpidist.checkpoint.storage import (
 )
 
 __all__ = ["save_checkpoint"]
-
-
-def validate_pieces(pieces: Sequence[Piece], infos: Mapping[str, TensorInfo],
-                     index: Mapping[str, int]) -> np.ndarray:
-    """``(tensor index, start, stop)`` rows of the pieces, after checking each one."""
-    rows = np.empty((len(pieces), 3), dtype=np.int64)
-    for k, p in enumerate(pieces):
-        if p.name not in infos:
-            raise ValueError(f"piece names tensor {p.name!r}, which is not in `tensors`")
-        info = infos[p.name]
-        a, b = check_flat(p.name, p.flat, info.numel)
-        data = p.data
-        if not isinstance(data, np.ndarray) or data.ndim != 1:
-            raise ValueError(f"piece of {p.name!r}: data must be a 1-D numpy array")
-        if data.shape[0] != b - a:
-            raise ValueError(
-                f"piece of {p.name!r}: data has {data.shape[0]} elements for range [{a}, {b})"
-            )
-        if data.dtype.name != info.dtype:
-            raise ValueError(f"piece of {p.name!r}: data dtype {data.dtype} != {info.dtype}")
-        rows[k] = (index[p.name], a, b)
-    return rows
 
 
 def check_coverage(all_rows: Sequence[np.ndarray], names: Sequence[str],
@@ -159,7 +139,7 @@ def save_checkpoint(
 
         # 3. rank 0 names the temp file and stamps the time; everyone gets the same values.
         directory = os.path.dirname(os.path.abspath(path))
-        tmp, created, started_ns = _name_temp_file(path, directory, rank, own)
+        tmp, created, started_ns = _name_temp_file(path, directory, own)
         root = dict(plan.plain, format=FORMAT_NAME, format_version=np.int64(FORMAT_VERSION),
                     library_version=__version__, created=created, metadata_json=plan.whole,
                     checksum_algorithm=CHECKSUM_ALGORITHM, num_tensors=np.int64(len(names)))
@@ -179,7 +159,7 @@ def save_checkpoint(
             raise
 
         # 5. commit: rename, fsync the directory, move `latest`, apply retention.
-        _commit(path, tmp, directory, keep, started_ns, rank, own)
+        _commit(path, tmp, directory, keep, started_ns, own)
         return path
     finally:
         if own is not None:
@@ -215,7 +195,7 @@ def _agree_on_arguments(path: str, tensors: Mapping[str, Any], pieces: Iterable[
                                  or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer or None")
         plist = [as_piece(p) for p in pieces]
-        rows = validate_pieces(plist, infos, index)
+        rows = piece_rows(plist, infos, index)
         mode = io_mode(comm, serial)
         writeback = writeback_bytes()
     failure = first_failure(box)
@@ -248,44 +228,31 @@ def _agree_on_arguments(path: str, tensors: Mapping[str, Any], pieces: Iterable[
     return _SavePlan(names, infos, plist, rows, mode, writeback, plain, whole)
 
 
-def _name_temp_file(path: str, directory: str, rank: int, own: Any) -> tuple[str, str, int]:
+def _name_temp_file(path: str, directory: str, own: Any) -> tuple[str, str, int]:
     """Rank 0 makes the directory and names the temp file; ``(tmp, created, started_ns)``
     on every rank. Collective over ``own``."""
-    header = msg = None
-    if rank == 0:
-        with capture_failure() as box:
-            os.makedirs(directory, exist_ok=True)
-            now = datetime.datetime.now(datetime.timezone.utc)
-            tmp = os.path.join(directory,
-                               f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
-            header = (tmp, now.isoformat(timespec="seconds").replace("+00:00", "Z"),
-                      time.time_ns())
-        failure = first_failure(box)
-        msg = None if failure is None else str(failure)
-    if own is not None:
-        header, msg = own.bcast((header, msg), root=0)
-    if msg is not None:
-        raise CheckpointError(f"[rank 0] cannot prepare {directory!r}: {msg}")
-    return header
+
+    def name() -> tuple[str, str, int]:
+        os.makedirs(directory, exist_ok=True)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (os.path.join(directory, f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}"),
+                now.isoformat(timespec="seconds").replace("+00:00", "Z"), time.time_ns())
+
+    return on_root(own, name, f"cannot prepare {directory!r}")
 
 
 def _commit(path: str, tmp: str, directory: str, keep: int | None, started_ns: int,
-            rank: int, own: Any) -> None:
+            own: Any) -> None:
     """Rank 0 renames the temp file, fsyncs the directory, moves ``latest`` and applies
     retention; every rank gets the verdict. Collective over ``own``."""
-    msg = None
-    if rank == 0:
-        with capture_failure() as box:
-            os.replace(tmp, path)
-            fsync_path(directory, directory=True)
-            write_latest(directory, os.path.basename(path))
-            retain(directory, keep, path, started_ns)
-        failure = first_failure(box)
-        msg = None if failure is None else str(failure)
-    if own is not None:
-        msg = own.bcast(msg, root=0)
-    if msg is not None:
-        raise CheckpointError(f"[rank 0] committing {path!r} failed: {msg}")
+
+    def commit() -> None:
+        os.replace(tmp, path)
+        fsync_path(directory, directory=True)
+        write_latest(directory, os.path.basename(path))
+        retain(directory, keep, path, started_ns)
+
+    on_root(own, commit, f"committing {path!r} failed")
 
 
 def global_sums(pieces: Sequence[Piece], rows: np.ndarray, n: int, comm: Any) -> np.ndarray:
@@ -296,11 +263,7 @@ def global_sums(pieces: Sequence[Piece], rows: np.ndarray, n: int, comm: Any) ->
     sums = np.zeros((n, 2), dtype=np.uint64)
     for p, (t, a, _) in zip(pieces, rows, strict=True):
         sums[t] = checksum_update((int(sums[t, 0]), int(sums[t, 1])), p.data, int(a))
-    if comm is not None:
-        from mpi4py import MPI
-
-        comm.Allreduce(MPI.IN_PLACE, [sums, MPI.UINT64_T], op=MPI.SUM)
-    return sums
+    return sum_over(comm, sums)
 
 
 def save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
@@ -345,10 +308,7 @@ def save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
                                             (int(sums[t, 0]), int(sums[t, 1])), a)
             writeback.flush()
         agree(comm, first_failure(box))
-        if comm is not None:
-            from mpi4py import MPI
-
-            comm.Allreduce(MPI.IN_PLACE, [sums, MPI.UINT64_T], op=MPI.SUM)
+        sum_over(comm, sums)
         with capture_failure() as box:
             if rank == 0:
                 patch_sums(tmp, names, sums)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,8 @@ from mpidist.checkpoint.format import (
 
 __all__ = ["FUSED_CHUNK_BYTES", "MAX_TRANSFER_BYTES", "POSIX_CHUNK_BYTES", "WRITEBACK_BYTES",
            "Writeback", "create_layout", "dataset_dtype", "file_options", "patch_sums",
-           "pread_array", "pwrite_array", "read_range", "sync_file_range", "write_pieces",
-           "write_range", "writeback_bytes"]
+           "pread_array", "pwrite_array", "read_chunks", "read_range", "sync_file_range",
+           "write_pieces", "write_range", "writeback_bytes"]
 
 #: Largest transfer per HDF5 call, in bytes: bounds temporaries and stays far below the
 #: 2 GiB MPI-IO count limit.
@@ -39,7 +39,6 @@ POSIX_CHUNK_BYTES = 64 << 20
 FUSED_CHUNK_BYTES = 4 << 20
 #: Default early-writeback granularity of a save (``MPIDIST_CHECKPOINT_WRITEBACK_MB``).
 WRITEBACK_BYTES = 32 << 20
-#: The I/O modes (``MPIDIST_CHECKPOINT_IO``); see the module docstring.
 ATTR_S1_B, ATTR_S2_B = ATTR_S1.encode("ascii"), ATTR_S2.encode("ascii")
 
 
@@ -57,10 +56,23 @@ def hyperslab(dsid: Any, shape: tuple[int, ...], a: int, b: int) -> tuple[Any, A
     return h5s.create_simple((b - a,)), fspace
 
 
-def transfer_chunks(a: int, b: int, itemsize: int) -> Iterator[tuple[int, int]]:
-    step = max(1, MAX_TRANSFER_BYTES // max(1, itemsize))
+def transfer_chunks(a: int, b: int, itemsize: int,
+                    chunk_bytes: int = MAX_TRANSFER_BYTES) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` ranges of at most ``chunk_bytes`` covering elements ``[a, b)``."""
+    step = max(1, chunk_bytes // max(1, itemsize))
     for lo in range(a, b, step):
         yield lo, min(b, lo + step)
+
+
+def read_chunks(read: Callable[[int, np.ndarray], None], a: int, b: int, dtype: Any,
+                chunk_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, elements)`` of elements ``[a, b)``, each chunk read by ``read(start, out)``
+    into one reused buffer of at most ``chunk_bytes``."""
+    dtype = np.dtype(dtype)
+    buf = np.empty(min(max(1, chunk_bytes // dtype.itemsize), b - a), dtype=dtype)
+    for lo, hi in transfer_chunks(a, b, dtype.itemsize, chunk_bytes):
+        read(lo, buf[:hi - lo])
+        yield lo, buf[:hi - lo]
 
 
 def write_range(ds: Any, a: int, data: np.ndarray) -> None:
@@ -82,7 +94,6 @@ def read_range(ds: Any, a: int, out: np.ndarray) -> None:
 def dataset_dtype(dtype: str) -> np.dtype:
     dt = np.dtype(dtype)
     return dt if dt.itemsize == 1 or dt.kind == "b" else dt.newbyteorder("<")
-
 
 
 def file_options(names: Sequence[str], root: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,7 +163,7 @@ def create_layout(f: Any, names: Sequence[str], infos: Mapping[str, TensorInfo],
 
 def write_pieces(f: Any, pieces: Sequence[Piece]) -> None:
     for p in pieces:
-        if p.data.shape[0]:  # validated by validate_pieces: flat is [start, start + len)
+        if p.data.shape[0]:  # checked by piece_rows: flat is [start, start + len)
             write_range(f[p.name], int(p.flat.start or 0), p.data)
 
 

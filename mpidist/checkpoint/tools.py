@@ -27,7 +27,7 @@ from mpidist.checkpoint.format import (
 )
 from mpidist.checkpoint.header import open_error, read_header
 from mpidist.checkpoint.load import read_tensor
-from mpidist.checkpoint.storage import read_range
+from mpidist.checkpoint.storage import read_chunks, read_range
 
 __all__ = ["diff", "diff_found", "diff_summary", "export", "format_diff", "format_inspect",
            "inspect", "verify_checkpoint"]
@@ -37,13 +37,8 @@ _CHUNK_BYTES = 64 << 20
 
 def _chunks(ds: Any, info: TensorInfo) -> Iterator[tuple[int, np.ndarray]]:
     """``(start, elements)`` chunks of a dataset in flat C order."""
-    dtype = np.dtype(info.dtype)
-    step = max(1, _CHUNK_BYTES // dtype.itemsize)
-    buf = np.empty(min(step, info.numel), dtype=dtype)
-    for a in range(0, info.numel, step):
-        b = min(info.numel, a + step)
-        read_range(ds, a, buf[:b - a])
-        yield a, buf[:b - a]
+    return read_chunks(lambda a, out: read_range(ds, a, out), 0, info.numel, info.dtype,
+                       _CHUNK_BYTES)
 
 
 def _scan(path: str, *, verify: bool, norms: bool) -> tuple[dict[str, Any],

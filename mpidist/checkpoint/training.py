@@ -39,7 +39,7 @@ from mpidist.checkpoint.io import (
     save_checkpoint,
 )
 
-__all__ = ["load_training", "resolve_resume", "save_training", "training_tensors"]
+__all__ = ["load_training", "save_training", "training_tensors"]
 
 
 def _model(opt: Any) -> Any:
@@ -141,8 +141,3 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
     opt.restore_position(int(attrs["step"]), int(attrs.get("steps_taken", attrs["step"])),
                          attrs.get("data"))
     return attrs
-
-
-def resolve_resume(directory: str) -> str | None:
-    """The checkpoint ``--resume`` continues from: the directory's latest, or None."""
-    return latest_checkpoint(directory)
