@@ -30,29 +30,27 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mpidist.data.sampler import checked_indices, checked_int
+
 __all__ = ["MAX_BYTES", "MAX_CONTROL_FRACTION", "STDLIB_FILES", "VALIDATION_FRACTION",
            "TextCorpus", "check_text_path", "corpus_bytes", "path_bytes", "text_problem"]
 
 log = logging.getLogger(__name__)
 
 #: Standard-library sources that make up the corpus (relative to the stdlib directory).
-STDLIB_FILES: tuple[str, ...] = tuple(
-    sorted(
-        [
-            "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py",
-            "cmd.py", "code.py", "codecs.py", "collections/__init__.py", "colorsys.py",
-            "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py",
-            "difflib.py", "dis.py", "enum.py", "fnmatch.py", "fractions.py", "functools.py",
-            "getopt.py", "gettext.py", "glob.py", "heapq.py", "hmac.py", "inspect.py",
-            "ipaddress.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
-            "keyword.py", "linecache.py", "locale.py", "logging/__init__.py", "numbers.py",
-            "operator.py", "optparse.py", "pathlib.py", "pprint.py", "queue.py", "random.py",
-            "reprlib.py", "sched.py", "secrets.py", "shlex.py", "shutil.py", "statistics.py",
-            "string.py", "textwrap.py", "threading.py", "timeit.py", "token.py",
-            "tokenize.py", "traceback.py", "types.py", "typing.py", "uuid.py", "warnings.py",
-            "weakref.py", "zipfile.py",
-        ]
-    )
+STDLIB_FILES: tuple[str, ...] = (  # sorted
+    "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py",
+    "cmd.py", "code.py", "codecs.py", "collections/__init__.py", "colorsys.py",
+    "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py",
+    "difflib.py", "dis.py", "enum.py", "fnmatch.py", "fractions.py", "functools.py",
+    "getopt.py", "gettext.py", "glob.py", "heapq.py", "hmac.py", "inspect.py",
+    "ipaddress.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
+    "keyword.py", "linecache.py", "locale.py", "logging/__init__.py", "numbers.py",
+    "operator.py", "optparse.py", "pathlib.py", "pprint.py", "queue.py", "random.py",
+    "reprlib.py", "sched.py", "secrets.py", "shlex.py", "shutil.py", "statistics.py",
+    "string.py", "textwrap.py", "threading.py", "timeit.py", "token.py",
+    "tokenize.py", "traceback.py", "types.py", "typing.py", "uuid.py", "warnings.py",
+    "weakref.py", "zipfile.py",
 )
 
 #: Cap on the corpus size in bytes.
@@ -67,12 +65,8 @@ VOCAB_SIZE = 256
 #: and carriage return are not counted; ESC and the other C0 bytes and DEL are).
 MAX_CONTROL_FRACTION = 0.05
 
-_WHITESPACE = np.zeros(256, dtype=bool)
-_WHITESPACE[[9, 10, 11, 12, 13]] = True
 _CONTROL = np.zeros(256, dtype=bool)
-_CONTROL[:32] = True
-_CONTROL[127] = True
-_CONTROL &= ~_WHITESPACE
+_CONTROL[np.r_[0:9, 14:32, 127]] = True  # C0 and DEL, but tab, LF, VT, FF and CR
 _BINARY_HINT = "--data-binary (binary=True) trains on its bytes anyway"
 
 
@@ -119,6 +113,7 @@ def _read(path: str) -> bytes:
         return fh.read()
 
 
+@functools.lru_cache(maxsize=4)
 def path_bytes(path: str, *, binary: bool = False
                ) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
     """The bytes of a text file, or of every text file under a directory (sorted relative
@@ -130,11 +125,6 @@ def path_bytes(path: str, *, binary: bool = False
     as it is. Read once per process (as :func:`corpus_bytes`): the settings' check and both
     splits of :class:`TextCorpus` share the reading.
     """
-    return _path_bytes(path, bool(binary))
-
-
-@functools.lru_cache(maxsize=4)
-def _path_bytes(path: str, binary: bool) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
     if os.path.isfile(path):
         data = _read(path)
         problem = None if binary else text_problem(data)
@@ -192,15 +182,12 @@ class TextCorpus:
         self, block_size: int, split: str = "train", *, max_bytes: int = MAX_BYTES,
         path: str | None = None, binary: bool = False,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-            raise ValueError(f"block_size={block_size!r} must be a positive integer")
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be a positive integer")
+        block_size = checked_int(block_size, "block_size", 1)
         if split == "val":
             split = "validation"
         if split not in ("train", "validation"):
             raise ValueError(f"split={split!r} must be 'train' or 'validation'")
-        self.block_size = int(block_size)
+        self.block_size = block_size
         self.split = split
         self.skipped: tuple[str, ...] = ()
         if path is None:
@@ -233,18 +220,9 @@ class TextCorpus:
         """Start of every sample window, as positions in the whole corpus text."""
         return self.split_start + np.arange(self._n, dtype=np.int64) * self.block_size
 
-    def _check_indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu":
-            raise ValueError(f"sample indices must be integers, got dtype {idx.dtype}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
-            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
-            raise ValueError(f"sample index {bad} is out of range for {self._n} samples")
-        return idx.astype(np.int64, copy=False)
-
     def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and next-byte targets of samples ``indices``, each ``(n, block_size)``."""
-        idx = self._check_indices(indices).reshape(-1)
+        idx = checked_indices(indices, self._n).reshape(-1)
         starts = idx * self.block_size
         win = starts[:, None] + np.arange(self.block_size + 1)[None, :]
         chunk = self.tokens[win].astype(np.int64)

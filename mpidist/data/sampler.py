@@ -16,13 +16,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GlobalBatchSampler", "check_local_sizes", "micro_batches", "split_points"]
+__all__ = ["GlobalBatchSampler", "check_local_sizes", "checked_indices", "checked_int",
+           "micro_batches", "split_points"]
 
 
-def _nonneg_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{what}={value!r} must be a non-negative integer")
+def checked_int(value: object, what: str, minimum: int = 0) -> int:
+    """``value`` as an int; ValueError naming ``what`` unless it is an integer (not a bool)
+    of at least ``minimum`` (0 or 1). Pure."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{what}={value!r} must be {kind} integer")
     return int(value)
+
+
+def checked_indices(indices: Any, n: int) -> np.ndarray:
+    """``indices`` as an int64 array; ValueError unless they are integers in ``[0, n)``."""
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise ValueError(f"sample indices must be integers, got dtype {idx.dtype}")
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+        raise ValueError(f"sample index {bad} is out of range for {n} samples")
+    return idx.astype(np.int64, copy=False)
 
 
 def split_points(n: int, parts: int) -> list[int]:
@@ -32,13 +47,11 @@ def split_points(n: int, parts: int) -> list[int]:
     Raises ValueError when ``parts`` is not a positive integer or exceeds ``n`` (a piece
     would be empty).
     """
-    n = _nonneg_int(n, "n")
-    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
-        raise ValueError(f"parts={parts!r} must be a positive integer")
+    n, parts = checked_int(n, "n"), checked_int(parts, "parts", 1)
     if parts > n:
         raise ValueError(f"{n} items cannot be split into {parts} non-empty parts")
-    q, r = divmod(n, int(parts))
-    return [i * q + min(i, r) for i in range(int(parts) + 1)]
+    q, r = divmod(n, parts)
+    return [i * q + min(i, r) for i in range(parts + 1)]
 
 
 def check_local_sizes(sizes: Any, m: int) -> None:
@@ -56,8 +69,7 @@ def check_local_sizes(sizes: Any, m: int) -> None:
 def micro_batches(indices: np.ndarray, m: int) -> list[np.ndarray]:
     """Split ``indices`` into ``m`` contiguous parts whose sizes differ by at most one
     (:func:`split_points`); ValueError if ``m`` is not positive or exceeds ``len(indices)``."""
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-        raise ValueError(f"number of micro-batches m={m!r} must be a positive integer")
+    m = checked_int(m, "number of micro-batches m", 1)
     n = len(indices)
     if n < m:
         raise ValueError(f"a batch of {n} samples cannot be split into m={m} non-empty "
@@ -92,11 +104,11 @@ class GlobalBatchSampler:
         *,
         shuffle: bool = True,
     ) -> None:
-        self.n_samples = _nonneg_int(n_samples, "n_samples")
-        self.global_batch_size = _nonneg_int(global_batch_size, "global_batch_size")
+        self.n_samples = checked_int(n_samples, "n_samples")
+        self.global_batch_size = checked_int(global_batch_size, "global_batch_size")
         if self.global_batch_size == 0:
             raise ValueError("global_batch_size=0 must be a positive integer")
-        self.seed = _nonneg_int(seed, "seed")
+        self.seed = checked_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.shuffle = bool(shuffle)
         if self.drop_last and self.n_samples < self.global_batch_size:
@@ -119,11 +131,11 @@ class GlobalBatchSampler:
 
     def epoch_of(self, step: int) -> int:
         """The epoch global step ``step`` belongs to."""
-        return _nonneg_int(step, "step") // self.steps_per_epoch
+        return checked_int(step, "step") // self.steps_per_epoch
 
     def permutation(self, epoch: int) -> np.ndarray:
         """Order in which epoch ``epoch`` visits the samples."""
-        epoch = _nonneg_int(epoch, "epoch")
+        epoch = checked_int(epoch, "epoch")
         if epoch != self._perm_epoch:
             if self.shuffle:
                 rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
@@ -135,7 +147,7 @@ class GlobalBatchSampler:
 
     def global_indices(self, step: int) -> np.ndarray:
         """Sample indices of global step ``step`` (``global_batch_size`` of them)."""
-        step = _nonneg_int(step, "step")
+        step = checked_int(step, "step")
         spe = self.steps_per_epoch
         epoch, k = divmod(step, spe)
         perm = self.permutation(epoch)
@@ -149,14 +161,13 @@ class GlobalBatchSampler:
     def check_dp_size(self, dp_size: int) -> int:
         """Validate that ``dp_size`` ranks can each get at least one sample of every global
         batch. Any size up to the global batch works: the slices differ by at most one."""
-        if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
-            raise ValueError(f"dp_size={dp_size!r} must be a positive integer")
+        dp_size = checked_int(dp_size, "dp_size", 1)
         if dp_size > self.global_batch_size:
             raise ValueError(
                 f"global batch size B={self.global_batch_size} is smaller than dp_size="
                 f"{dp_size}: every data-parallel rank needs at least one sample"
             )
-        return int(dp_size)
+        return dp_size
 
     def local_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """Rank ``dp_rank``'s contiguous slice of global step ``step``: ``B // dp_size``
@@ -222,7 +233,7 @@ class GlobalBatchSampler:
                 )
         if "step" not in state:
             raise ValueError("sampler state has no 'step'")
-        step = _nonneg_int(state["step"], "step")
+        step = checked_int(state["step"], "step")
         if "epoch" in state and int(state["epoch"]) != step // self.steps_per_epoch:
             raise ValueError(
                 f"sampler state epoch={state['epoch']} is inconsistent with step={step} "

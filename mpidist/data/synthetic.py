@@ -11,13 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mpidist.data.sampler import checked_indices, checked_int
+
 __all__ = ["ArrayDataset", "synthetic_classification", "synthetic_regression"]
-
-
-def _pos(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what}={value!r} must be a positive integer")
-    return int(value)
 
 
 class ArrayDataset:
@@ -36,13 +32,7 @@ class ArrayDataset:
         self, indices: Sequence[int] | np.ndarray, dtype: np.dtype | type | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(x[indices], y[indices])``; float parts cast to ``dtype`` when given."""
-        idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu":
-            raise ValueError(f"sample indices must be integers, got dtype {idx.dtype}")
-        n = len(self.x)
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
-            raise ValueError(f"sample index {bad} is out of range for {n} samples")
+        idx = checked_indices(indices, len(self.x))
         x, y = self.x[idx], self.y[idx]
         if dtype is not None:
             x = x.astype(dtype)
@@ -58,7 +48,8 @@ def synthetic_regression(
     n: int, d_in: int, d_out: int, seed: int = 0, *, noise: float = 0.01
 ) -> ArrayDataset:
     """``y = tanh(x @ W1) @ W2 + noise`` with Gaussian ``x``: a smooth target an MLP can fit."""
-    n, d_in, d_out = _pos(n, "n"), _pos(d_in, "d_in"), _pos(d_out, "d_out")
+    n, d_in, d_out = checked_int(n, "n", 1), checked_int(d_in, "d_in", 1), \
+        checked_int(d_out, "d_out", 1)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1]))
     hidden = max(4, d_in)
     w1 = rng.standard_normal((d_in, hidden)) / np.sqrt(d_in)
@@ -72,7 +63,8 @@ def synthetic_classification(
     n: int, d_in: int, n_classes: int, seed: int = 0, *, separation: float = 2.0
 ) -> ArrayDataset:
     """Gaussian blobs around ``n_classes`` random centres; int64 labels in ``[0, n_classes)``."""
-    n, d_in, n_classes = _pos(n, "n"), _pos(d_in, "d_in"), _pos(n_classes, "n_classes")
+    n, d_in, n_classes = checked_int(n, "n", 1), checked_int(d_in, "d_in", 1), \
+        checked_int(n_classes, "n_classes", 1)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 2]))
     centres = separation * rng.standard_normal((n_classes, d_in))
     y = rng.integers(0, n_classes, size=n).astype(np.int64)
