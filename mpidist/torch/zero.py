@@ -1,11 +1,8 @@
 """``ZeroRedundancyOptimizer`` over MPI, with torch's interface and semantics (ZeRO-1).
 
-The parameters are partitioned over the ranks as torch does (per parameter group, largest
-first, each to the rank with the fewest elements so far). Each rank keeps a local
-``optimizer_class`` over its partition only, so optimizer state exists once in the group.
-``step()`` runs the local optimizer, then every rank's updated parameters reach every rank
-with one in-place MPI ``Allgatherv`` per dtype and device: the parameters are views of one
-flat tensor laid out rank by rank, so the exchange needs no copy on the host.
+The parameters are partitioned as torch does (per group, largest first, each to the rank
+with the fewest elements so far); they are views of one flat tensor per dtype and device,
+laid out rank by rank, so ``step()`` shares them with one in-place ``Allgatherv`` each.
 """
 
 from __future__ import annotations
@@ -99,14 +96,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             groups.append(local)
         return groups
 
-    def owner(self, p: torch.Tensor) -> int:
-        """The rank whose optimizer updates ``p``. Not collective."""
-        for per_rank in self._partition:
-            for r, ps in enumerate(per_rank):
-                if any(q is p for q in ps):
-                    return r
-        raise KeyError("parameter is not managed by this optimizer")
-
     def _make_layouts(self) -> list[_Layout]:
         """Per (dtype, device): one flat tensor holding every parameter, rank by rank; each
         parameter's ``.data`` becomes its view."""
@@ -114,8 +103,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for per_rank in self._partition:
             for r, ps in enumerate(per_rank):
                 for p in ps:
-                    keys.setdefault((p.dtype, p.device), [[] for _ in range(self.world_size)])
-                    keys[(p.dtype, p.device)][r].append(p)
+                    keys.setdefault((p.dtype, p.device), [[] for _ in per_rank])[r].append(p)
         return [_Layout(per_rank) for per_rank in keys.values()]
 
     # -- torch's interface -------------------------------------------------------------------
@@ -164,7 +152,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 f"consolidate_state_dict(to={self.rank}) on every rank first"
             )
         self.sync_param_groups(self.optim.param_groups, self.param_groups)
-        index = self._index()
+        index = self._positions()
         out = super().state_dict()
         out["state"] = {}
         for r, local in enumerate(self._all_state_dicts):
@@ -187,30 +175,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter group {g}: the state dict has "
                                  f"{len(saved['params'])} parameters, the optimizer "
                                  f"{len(mine['params'])}")
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
+        self.sync_param_groups(groups, self.param_groups)
         # A torch state dict names parameters by their position over all groups.
         saved_index = [i for g in groups for i in g["params"]]
-        position = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        local: dict[str, Any] = {"state": {}, "param_groups": []}
-        for group, per_rank in zip(self.param_groups, self._partition, strict=True):
-            lg = {k: v for k, v in group.items() if k != "params"}
-            lg["params"] = []
-            for p in per_rank[self.rank]:
+        position = self._positions()
+        local: dict[str, Any] = {"state": {}, "param_groups": self._local_groups()}
+        here = 0  # a parameter's position in the local optimizer
+        for lg in local["param_groups"]:
+            params, lg["params"] = lg["params"], []
+            for p in params:
                 key = saved_index[position[p]]
-                here = sum(len(g["params"]) for g in local["param_groups"]) + len(lg["params"])
                 if key in state_dict["state"]:
                     local["state"][here] = state_dict["state"][key]
                 lg["params"].append(here)
-            local["param_groups"].append(lg)
+                here += 1
         self.optim.load_state_dict(local)
 
-    def _index(self) -> dict[torch.Tensor, int]:
+    def _positions(self) -> dict[torch.Tensor, int]:
+        """Each parameter's position over all groups (its first, if repeated)."""
         out: dict[torch.Tensor, int] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                out.setdefault(p, len(out))
+        for p in (p for g in self.param_groups for p in g["params"]):
+            out.setdefault(p, len(out))
         return out
 
 
@@ -219,15 +204,11 @@ class _Layout:
 
     def __init__(self, per_rank: list[list[torch.Tensor]]) -> None:
         self.counts = [sum(p.numel() for p in ps) for ps in per_rank]
-        first = next(p for ps in per_rank for p in ps)
-        self.flat = torch.empty(sum(self.counts), dtype=first.dtype, device=first.device)
-        offset = 0
-        for ps in per_rank:
-            for p in ps:
-                view = self.flat[offset:offset + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-                offset += p.numel()
+        params = [p for ps in per_rank for p in ps]
+        self.flat = torch.empty(sum(self.counts), dtype=params[0].dtype, device=params[0].device)
+        for p, view in zip(params, self.flat.split([p.numel() for p in params]), strict=True):
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
         self.view = HostView(self.flat)
 
     def allgather(self, comm: Any) -> None:
