@@ -39,6 +39,9 @@ class ShardingConfiguration:
         recompute: activation checkpointing: "none" keeps every activation for backward;
             "blocks" keeps only each unit's input and recomputes the unit's forward just
             before its backward (exact: the same operations run again).
+        virtual_stages: model chunks per pipeline stage (the interleaved schedule): the
+            units are cut into ``pp * virtual_stages`` virtual stages and stage ``s`` holds
+            chunks ``c * pp + s``; 1 for every other schedule.
     """
 
     mesh: Any = None
@@ -50,6 +53,7 @@ class ShardingConfiguration:
     auto_sync_gradients: bool = True
     prefetch: bool = True
     recompute: str = "none"
+    virtual_stages: int = 1
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ShardingConfiguration:
         known = [f.name for f in fields(cls)]
@@ -78,6 +82,9 @@ class ShardingConfiguration:
         if dt not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
         object.__setattr__(self, "dtype", dt)
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"virtual_stages={v!r} must be a positive integer")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         for name in ("overlap", "auto_sync_gradients", "prefetch"):

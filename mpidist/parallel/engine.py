@@ -76,9 +76,13 @@ class ShardedOptimizer(TrainingStateMixin):
         lr_schedule: optional callable ``step -> lr`` passed to the kernel each step.
         pipeline_parallel_size, tensor_parallel_size, data_parallel_size: mesh sizes when
             ``config.mesh`` is None (on ``comm``; default ``MPI.COMM_WORLD``).
-        schedule: the pipeline schedule when pp > 1: "1f1b", "gpipe" or "zero-bubble"
+        schedule: the pipeline schedule when pp > 1: "1f1b", "gpipe", "interleaved"
+            (Megatron's interleaved 1F1B over ``virtual_stages`` chunks per stage: the
+            bubble divided by them; ``micro_batches`` a multiple of pp) or "zero-bubble"
             (ZB-H1: each backward split into the input gradient, sent upstream at once,
-            and the weight gradients, deferred into the bubble; levels 0-2).
+            and the weight gradients, deferred into the bubble).
+        virtual_stages: model chunks per stage (the interleaved schedule; the model needs
+            at least pp x virtual_stages units); None: ``config.virtual_stages``.
         balance: the pipeline stage split, "uniform" or "parameters".
         tp_plan: the tensor-parallel plan when tp > 1 (see :mod:`mpidist.nn.tp_plan`;
             default: the model's own).
@@ -96,7 +100,7 @@ class ShardedOptimizer(TrainingStateMixin):
                  lr_schedule: Any = None, pipeline_parallel_size: int = 1,
                  tensor_parallel_size: int = 1, data_parallel_size: int = -1,
                  schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
-                 tp_plan: Any = None) -> None:
+                 tp_plan: Any = None, virtual_stages: int | None = None) -> None:
         if not isinstance(base, Optimizer):
             raise ValueError(
                 f"base={base!r} must be an optimizer from mpidist.optim (SGD, Adam, ...)"
@@ -108,15 +112,11 @@ class ShardedOptimizer(TrainingStateMixin):
             raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
         self.base = base
         self.config = config if config is not None else ShardingConfiguration()
+        if virtual_stages is not None:
+            self.config = self.config.replace(virtual_stages=virtual_stages)
         self.level = int(level)
         self.hook = hook if hook is not None else default_hook(self.level)
         self.schedule = check_schedule(schedule)
-        if self.schedule == "zero-bubble" and level == 3:
-            raise ValueError(
-                "schedule='zero-bubble' with zero_stage=3: a deferred weight gradient would "
-                "need its unit's parameters gathered a third time (or kept gathered); use "
-                "zero_stage 0, 1 or 2, or schedule='1f1b'"
-            )
         self.balance = balance
         self.tp_plan = tp_plan
         #: the communicator a mesh is built on when ``config.mesh`` is None (resolved here,
@@ -125,6 +125,7 @@ class ShardedOptimizer(TrainingStateMixin):
         self.shape = resolve_mesh_shape(self.config, comm, pipeline_parallel_size,
                                         tensor_parallel_size, data_parallel_size)
         self.hook.check(self.level, self.shape.pp, self.shape.tp)
+        self._check_schedule()
         if loss is None:
             from mpidist.nn import CrossEntropyLoss
 
@@ -144,6 +145,16 @@ class ShardedOptimizer(TrainingStateMixin):
         self.bytes_sent_last_step = 0
         self._data_state: dict[str, Any] | None = None
         self.timers = {"compute": 0.0, "communication": 0.0, "update": 0.0}
+
+    def _check_schedule(self) -> None:
+        """The schedule against the virtual stages and micro-batches (pure)."""
+        v, m, pp = self.config.virtual_stages, self.config.micro_batches, self.shape.pp
+        if v > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={v} needs schedule='interleaved' "
+                             f"(got schedule={self.schedule!r})")
+        if self.schedule == "interleaved" and m % pp:
+            raise ValueError(f"schedule='interleaved' needs micro_batches a multiple of "
+                             f"pp={pp}; got micro_batches={m}")
 
     @property
     def strategy(self) -> str:
@@ -177,10 +188,12 @@ class ShardedOptimizer(TrainingStateMixin):
     def attach(self, model: ShardedModel) -> None:
         """Use an already wrapped model (and make a fresh optimizer state for it)."""
         if not isinstance(model, ShardedModel) or model.level != self.level \
-                or type(model.hook) is not type(self.hook):
+                or type(model.hook) is not type(self.hook) \
+                or len(model.chunks) != self.config.virtual_stages:
             raise ValueError(
                 f"{type(self).__name__} needs a model sharded at level {self.level} with "
-                f"{self.hook.name} gradient communication, got {model!r}"
+                f"{self.hook.name} gradient communication and "
+                f"{self.config.virtual_stages} chunk(s) per stage, got {model!r}"
             )
         self.model = model
         self.hook = model.hook
@@ -319,9 +332,13 @@ class ShardedOptimizer(TrainingStateMixin):
         micro-batch losses on the last stage, 0.0 on the others."""
         m = len(inputs)
 
-        def backward(dy: Any, i: int) -> Any:
+        def forward(x: Any, i: int, chunk: int | None = None) -> Any:
+            return model.forward(x, ctx=i, chunk=chunk)
+
+        def backward(dy: Any, i: int, chunk: int | None = None) -> Any:
+            # every chunk's last backward is micro-batch m - 1 (chunk 0's the step's last)
             with model.sync_context(last=(i == m - 1)):
-                return model.backward(dy, ctx=i)
+                return model.backward(dy, ctx=i, chunk=chunk)
 
         weight: Callable[[int], None] | None = None
         if self.schedule == "zero-bubble":  # B now (no sync needed: W add the gradients,
@@ -332,8 +349,9 @@ class ShardedOptimizer(TrainingStateMixin):
             def weight(i: int) -> None:
                 model.backward_weight(ctx=i)
 
-        runner = PipelineStage(model.forward, backward, comm=model.pp_comm,
-                               loss=model.stage_loss(self.loss), backward_weight=weight)
+        runner = PipelineStage(forward, backward, comm=model.pp_comm,
+                               loss=model.stage_loss(self.loss), backward_weight=weight,
+                               virtual_stages=len(model.chunks))
         total = runner.run(inputs, targets, schedule=self.schedule, normalizer=normalizer,
                            train=train)
         if train:

@@ -6,7 +6,8 @@ at a level, its gradients communicated by a hook.
 * tensor parallelism is applied first (``tp > 1``: the tensor-parallel form of the model,
   its split tensors listed by :func:`mpidist.nn.tensor_parallel.tp_partitions`);
 * the units are cut into pipeline stages (:func:`~mpidist.parallel.pipeline.partition_units`)
-  and this rank keeps its stage's;
+  and this rank keeps its stage's (under the interleaved schedule its ``virtual_stages``
+  chunks, one after the other in its flat layout: :mod:`mpidist.parallel.chunks`);
 * the stage is sharded over the data-parallel group at ``level`` 0-3 — what is sharded:
   nothing (DDP), the optimizer state (ZeRO-1), and the gradients (ZeRO-2), and the
   parameters (ZeRO-3: each unit gathered just in time, the next one prefetched);
@@ -31,9 +32,10 @@ from mpidist.core import collectives as C
 from mpidist.core.buffers import Bucket
 from mpidist.core.comms import world
 from mpidist.core.mesh import MeshShape, resolve_shape
+from mpidist.parallel.chunks import StageChunks, chunk_spans
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
-from mpidist.parallel.pipeline import BALANCES, cut_stages
+from mpidist.parallel.pipeline import BALANCES, cut_virtual_stages
 from mpidist.parallel.placement import Placement
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 
@@ -97,7 +99,7 @@ def tensor_users(units: list[Any]) -> dict[str, list[int]]:
     return users
 
 
-class ShardedModel:
+class ShardedModel(StageChunks):
     """This rank's part of a model: its pipeline stage's units, in their tensor-parallel
     form when tp > 1, in the flat storage of sharding ``level`` over dp.
 
@@ -144,7 +146,9 @@ class ShardedModel:
         self.hook.check(self.level, shape.pp, shape.tp)
         global_units = units_of(module)
         self._check(global_units)
-        self.bounds, stage_names = cut_stages(global_units, self.pp_size, balance)
+        #: (start, stop) of every virtual stage's units (pp * virtual_stages of them)
+        self.bounds, stage_names = cut_virtual_stages(
+            global_units, self.pp_size, self.config.virtual_stages, balance)
         self.balance = balance
         self.shard_size = self.hook.shard_group(self.dp_size)
         # -- communicators (collective from here on) ------------------------------------------
@@ -165,8 +169,12 @@ class ShardedModel:
             names = set(stage_names[self.stage])
             partitions = {n: v for n, v in tp_partitions(self.local_module).items()
                           if n in names}
-        a, b = self.bounds[self.stage]
-        self.units = units_of(self.local_module)[a:b]
+        every = units_of(self.local_module)
+        v = self.config.virtual_stages
+        self.units = [u for c in range(v) for u in every[slice(*self.bounds[c * self.pp_size
+                                                                             + self.stage])]]
+        #: (start, stop) of each chunk among self.units
+        self.chunks = chunk_spans(self.bounds, self.pp_size, self.stage, v)
         self.placement = Placement(
             [u.named_parameter_shapes() for u in self.units],
             global_units=[u.named_parameter_shapes() for u in global_units],
@@ -458,18 +466,20 @@ class ShardedModel:
         self.local_module.clear_cache()
         self._kept.clear()
 
-    def forward(self, x: Any, ctx: Any = None) -> Any:
-        """Forward through this rank's units. Collective over the shard group at level 3
-        (each unit gathered just in time, the next one prefetched); not collective else."""
+    def forward(self, x: Any, ctx: Any = None, chunk: int | None = None) -> Any:
+        """Forward through this rank's units (of ``chunk`` only, when given). Collective
+        over the shard group at level 3 (each unit gathered just in time, the next one
+        prefetched); not collective else."""
+        lo, n = self.chunk_span(chunk)
         if self.level < 3:
             h = x
-            for u in range(len(self.units)):
+            for u in range(lo, n):
                 h = self._unit_forward(u, h, ctx)
             return h
-        n, prefetch = len(self.units), self.config.prefetch
-        pending = self._gather(0)
+        prefetch = self.config.prefetch
+        pending = self._gather(lo)
         h = x
-        for u in range(n):
+        for u in range(lo, n):
             buf = pending.wait()
             if prefetch and u + 1 < n:
                 pending = self._gather(u + 1)
@@ -481,38 +491,41 @@ class ShardedModel:
                 pending = self._gather(u + 1)
         return h
 
-    def backward(self, dy: Any, ctx: Any = None) -> Any:
-        """Backward through this rank's units, handing each finished gradient piece to the
-        hook; returns the input gradient of the first unit. Collective over the shard group
-        when gradients are synchronised (every rank runs the same number of backwards)."""
+    def backward(self, dy: Any, ctx: Any = None, chunk: int | None = None) -> Any:
+        """Backward through this rank's units (of ``chunk`` only, when given), handing each
+        finished gradient piece to the hook; returns the input gradient of the first unit.
+        Collective over the shard group when gradients are synchronised (every rank runs
+        the same number of backwards). A step's backwards of several chunks must end with
+        chunk 0's (as the interleaved schedule does): a gradient bucket starts once the
+        lowest unit it holds has run its synchronised backward."""
+        lo, hi = self.chunk_span(chunk)
         if self.level >= 2:
-            return self._backward_units(dy, ctx)
+            return self._backward_units(dy, ctx, lo, hi)
         sync = self._sync_enabled and self.config.auto_sync_gradients \
             and self.hook.exchanges_in_backward
         overlap = sync and self.config.overlap and self.hook.required()
-        for u in range(len(self.units) - 1, -1, -1):
+        for u in range(hi - 1, lo - 1, -1):
             dy = self._unit_backward(u, dy, ctx)
             if overlap:
                 for i, after in enumerate(self._bucket_unit):
                     if after == u:
                         self._start_bucket(i)
             self._progress()
-        if sync and not overlap and self.hook.required():
+        if sync and not overlap and self.hook.required() and lo == 0:
             self.sync_gradients()
         return dy
 
-    def _backward_units(self, dy: Any, ctx: Any) -> Any:
+    def _backward_units(self, dy: Any, ctx: Any, lo: int, hi: int) -> Any:
         """Levels 2-3: each unit's gradients go to a working buffer handed to the hook as
         soon as the unit is done (at level 3 the unit is gathered first)."""
-        n = len(self.units)
         gathered = self.level == 3
         prefetch = self.config.prefetch
-        pending = self._gather(n - 1) if gathered else None
-        for u in range(n - 1, -1, -1):
+        pending = self._gather(hi - 1) if gathered else None
+        for u in range(hi - 1, lo - 1, -1):
             if pending is not None:
                 buf = pending.wait()
                 pending = None
-                if prefetch and u > 0:
+                if prefetch and u > lo:
                     pending = self._gather(u - 1)
                 pviews = self.layout.unit_views(u, buf)
             else:
@@ -528,38 +541,9 @@ class ShardedModel:
                 self.units[u].bind(pviews, None)
             self._start_unit(u, gbuf)
             self._progress()
-            if gathered and not prefetch and u > 0:
+            if gathered and not prefetch and u > lo:
                 pending = self._gather(u - 1)
         return dy
-
-    # -- the zero-bubble split: input gradients now, weight gradients later -------------------
-    def backward_input(self, dy: Any, ctx: Any = None) -> Any:
-        """B: the input gradient of this rank's units for micro-batch ``ctx``; what the
-        weight gradients need stays kept until :meth:`backward_weight`. Collective over tp
-        only (levels 0-2)."""
-        for u in range(len(self.units) - 1, -1, -1):
-            if self._recompute:
-                self.units[u].forward(self._kept.pop((u, ctx)), ctx)
-            dy = self.units[u].backward_input(dy, ctx)
-        return dy
-
-    def backward_weight(self, ctx: Any = None) -> None:
-        """W: the weight gradients of micro-batch ``ctx`` (after its B). Levels 0-1 add them
-        into the gradient buffer (synchronised by :meth:`finish_gradient_sync`); level 2
-        hands each unit's to the hook at once, as its backward does. Collective over the
-        shard group at level 2."""
-        for u in range(len(self.units) - 1, -1, -1):
-            if self.level < 2:
-                self.units[u].backward_weight(ctx)
-            else:
-                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
-                gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
-                self._track(gbuf.nbytes)
-                self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
-                self.units[u].backward_weight(ctx)
-                self.units[u].bind(pviews, None)
-                self._start_unit(u, gbuf)
-            self._progress()
 
     # -- the update ---------------------------------------------------------------------------
     def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
@@ -689,7 +673,9 @@ class ShardedModel:
             self._owns_mesh = False
 
     def __repr__(self) -> str:
-        a, b = self.bounds[self.stage]
+        v = len(self.chunks)
+        spans = "+".join(f"[{a}:{b}]" for a, b in (self.bounds[c * self.pp_size + self.stage]
+                                                     for c in range(v)))
         return (f"{type(self).__name__}({type(self.module).__name__}, level={self.level}, "
-                f"hook={self.hook.name}, stage={self.stage} units[{a}:{b}], pp={self.pp_size}, "
+                f"hook={self.hook.name}, stage={self.stage} units{spans}, pp={self.pp_size}, "
                 f"dp={self.dp_size}, tp={self.tp_size}, dtype={self.dtype})")

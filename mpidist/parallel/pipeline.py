@@ -1,10 +1,13 @@
-"""Pipeline parallelism: stage partitioning, the GPipe and 1F1B schedules, and their runner.
+"""Pipeline parallelism: stage partitioning, the schedules' runner.
 
 A model's units are split into ``pp`` contiguous stages (:func:`partition_units`, uniform or
-balanced by parameter count). Each stage runs its micro-batches in the order a schedule
-gives (:func:`schedule_order`); activations go forward and their gradients backward between
-neighbouring stages with nonblocking point-to-point messages on the pp communicator
-(``mesh.group("pp")``, whose ranks are the pp coordinates).
+balanced by parameter count), or, for the interleaved schedule, into ``pp * v`` virtual
+stages of which stage ``s`` holds the ``v`` non-adjacent chunks ``c * pp + s``
+(:func:`cut_virtual_stages`). Each stage runs its micro-batches in the order a schedule
+gives (:func:`mpidist.parallel.schedules.orders`); activations go forward and their
+gradients backward between neighbouring virtual stages with nonblocking point-to-point
+messages on the pp communicator (``mesh.group("pp")``, whose ranks are the pp coordinates):
+the last stage's chunk ``c`` sends to the first stage's chunk ``c + 1``.
 
 * **GPipe**: every forward, then every backward. Up to ``m`` micro-batches are live
   (forward done, backward not yet) on every stage.
@@ -12,7 +15,13 @@ neighbouring stages with nonblocking point-to-point messages on the pp communica
   alternates one forward and one backward, then drains the remaining backwards. At most
   ``p - s`` micro-batches are live, with the same bubble as GPipe.
 
-In both, every stage runs the backwards in micro-batch order 0..m-1, so gradients
+* **interleaved** (Megatron): 1F1B over the ``v`` chunks of each stage, which divides the
+  bubble by ``v`` (needs ``m`` a multiple of ``pp``); every chunk's last backward is
+  micro-batch ``m - 1``, chunks finishing from the last to the first.
+* **zero-bubble** (ZB-H1): each backward split into the input gradient (B, sent upstream
+  at once) and the weight gradients (W, deferred into the bubble).
+
+In GPipe and 1F1B, every stage runs the backwards in micro-batch order 0..m-1, so gradients
 accumulate in the same order (GPipe and 1F1B give bit-identical gradients) and the last
 backward is always micro-batch ``m - 1`` (where a data-parallel model synchronises).
 
@@ -38,16 +47,18 @@ __all__ = [
     "PipelineStats",
     "bubble_fraction",
     "check_schedule",
+    "cut_virtual_stages",
     "partition_units",
     "peak_live",
     "schedule_order",
 ]
 
-#: the schedules the runtime runs (``interleaved`` is simulated only, see schedules.py)
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+#: the schedules the runtime runs (their orders: :mod:`mpidist.parallel.schedules`)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 BALANCES = ("uniform", "parameters")
 
 _TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 11, 12, 13
+_TAG_CHUNK = 8  # tags of messages to chunk c: the tags above + 8 * c
 _HEADER = 8  # int64 words: ndim, dtype code, up to 6 dims
 _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int64, np.int32, np.float16)]
 
@@ -106,6 +117,23 @@ def cut_stages(units: Sequence[Any], pp: int, balance: str = "uniform"
     return bounds, names
 
 
+def cut_virtual_stages(units: Sequence[Any], pp: int, virtual_stages: int = 1,
+                       balance: str = "uniform"
+                       ) -> tuple[list[tuple[int, int]], list[list[str]]]:
+    """Cut ``units`` into ``pp * virtual_stages`` virtual stages, stage ``s`` holding the
+    chunks (virtual stages) ``c * pp + s``: ``([(start, stop) per virtual stage], [tensor
+    names per stage, its chunks in order])``; with one virtual stage, :func:`cut_stages`.
+    Pure; ValueError naming the values when there are fewer units than virtual stages."""
+    v = virtual_stages
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"virtual_stages={v!r} must be a positive integer")
+    if v > 1 and len(units) < pp * v:
+        raise ValueError(f"virtual_stages={v} with pp={pp} needs at least {pp * v} units "
+                         f"(pp x virtual_stages chunks); the model has {len(units)}")
+    bounds, names = cut_stages(units, pp * v, balance)
+    return bounds, [[n for c in range(v) for n in names[c * pp + s]] for s in range(pp)]
+
+
 def _balanced_sizes(w: list[int], pp: int) -> list[int]:
     # Linear partition by dynamic programming: best[k][i] = least possible max stage weight
     # of the first i units in k stages. n and pp are small (units of a model).
@@ -136,9 +164,9 @@ def schedule_order(schedule: str, stage: int, n_stages: int, micro_batches: int
                    ) -> list[tuple[str, int]]:
     """The ``("F", i)`` / ``("B", i)`` sequence stage ``stage`` of ``n_stages`` runs. Pure."""
     schedule = check_schedule(schedule)
-    if schedule == "zero-bubble":
-        raise ValueError("schedule_order gives F/B orders; the zero-bubble one is "
-                         "mpidist.parallel.schedules.orders")
+    if schedule in ("zero-bubble", "interleaved"):
+        raise ValueError(f"schedule_order gives F/B orders of one chunk; the {schedule} one "
+                         "is mpidist.parallel.schedules.orders")
     m = int(micro_batches)
     if not 0 <= stage < n_stages:
         raise ValueError(f"stage={stage} is outside {n_stages} stages")
@@ -183,36 +211,53 @@ class PipelineStage:
     """One stage of a pipeline: runs a schedule over micro-batches on the pp communicator.
 
     Args:
-        forward: ``forward(x, ctx) -> y`` of this stage's units.
+        forward: ``forward(x, ctx) -> y`` of this stage's units (with ``virtual_stages``
+            > 1: ``forward(x, ctx, chunk)`` of one chunk's).
         backward: ``backward(dy, ctx) -> dx`` of this stage's units (dx is ignored on the
-            first stage). Called for micro-batches 0..m-1 in order. Under the zero-bubble
+            first stage; with ``virtual_stages`` > 1 ``backward(dy, ctx, chunk)``). Under
+            GPipe and 1F1B called for micro-batches 0..m-1 in order. Under the zero-bubble
             schedule it computes the input gradient only (B), and
         backward_weight: ``backward_weight(ctx)`` the weight gradients (W), deferred into
             the bubble (required by the zero-bubble schedule).
         comm: the pp communicator (rank = stage index); None for a single stage.
         loss: on the last stage, ``loss.forward(y, target, normalizer=, ctx=) -> float`` and
             ``loss.backward(ctx=) -> dy``.
+        virtual_stages: the chunks this stage holds (the interleaved schedule): chunk ``c``
+            is virtual stage ``c * pp + stage``.
 
     ``run`` is collective over ``comm``: every stage runs it with the same number of
-    micro-batches and schedule. Messages carry a small header with the activation's shape
-    and dtype, so stages need not know each other's output shapes.
+    micro-batches, schedule and virtual stages. Messages carry a small header with the
+    activation's shape and dtype, so stages need not know each other's output shapes;
+    their tags say the chunk they go to, so the messages of different chunks between
+    the same two stages never mix.
     """
 
-    def __init__(self, forward: Callable[[Any, Any], Any], backward: Callable[[Any, Any], Any],
+    def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any],
                  *, comm: Any = None, loss: Any = None,
-                 backward_weight: Callable[[Any], None] | None = None) -> None:
+                 backward_weight: Callable[[Any], None] | None = None,
+                 virtual_stages: int = 1) -> None:
         self.forward = forward
         self.backward = backward
         self.backward_weight = backward_weight
         self.comm = comm
         self.n_stages, self.stage = size_rank(comm)
         self.loss = loss
+        self.virtual_stages = int(virtual_stages)
         self.stats = PipelineStats()
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.n_stages - 1
 
     # -- messages -------------------------------------------------------------------------
-    def _send_activation(self, y: np.ndarray) -> list[C.Request]:
+    def _next(self, chunk: int) -> tuple[int, int]:
+        """The (stage, chunk) of the virtual stage after this stage's ``chunk``."""
+        s = self.stage + 1
+        return (s, chunk) if s < self.n_stages else (0, chunk + 1)
+
+    def _previous(self, chunk: int) -> tuple[int, int]:
+        """The (stage, chunk) of the virtual stage before this stage's ``chunk``."""
+        return (self.stage - 1, chunk) if self.stage > 0 else (self.n_stages - 1, chunk - 1)
+
+    def _send_activation(self, y: np.ndarray, chunk: int = 0) -> list[C.Request]:
         y = np.ascontiguousarray(y)
         if y.ndim > _HEADER - 2 or y.dtype not in _DTYPES:
             raise ValueError(
@@ -222,28 +267,56 @@ class PipelineStage:
         head = np.zeros(_HEADER, dtype=np.int64)
         head[0], head[1] = y.ndim, _DTYPES.index(y.dtype)
         head[2:2 + y.ndim] = y.shape
-        dst = self.stage + 1
+        dst, to = self._next(chunk)
         self.stats.messages += 2
-        return [C.isend(head, dst, comm=self.comm, tag=_TAG_HEADER),
-                C.isend(y, dst, comm=self.comm, tag=_TAG_ACTIVATION)]
+        return [C.isend(head, dst, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * to),
+                C.isend(y, dst, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * to)]
 
-    def _recv_activation(self) -> np.ndarray:
-        src = self.stage - 1
+    def _recv_activation(self, chunk: int = 0) -> np.ndarray:
+        src, _ = self._previous(chunk)
         head = np.empty(_HEADER, dtype=np.int64)
         t0 = time.perf_counter()
-        C.irecv(head, src, comm=self.comm, tag=_TAG_HEADER).wait()
+        C.irecv(head, src, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * chunk).wait()
         nd = int(head[0])
         x = np.empty(tuple(int(d) for d in head[2:2 + nd]), dtype=_DTYPES[int(head[1])])
-        C.irecv(x, src, comm=self.comm, tag=_TAG_ACTIVATION).wait()
+        C.irecv(x, src, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return x
 
-    def _recv_gradient(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def _recv_gradient(self, shape: tuple[int, ...], dtype: np.dtype, chunk: int = 0
+                       ) -> np.ndarray:
         dy = np.empty(shape, dtype=dtype)
+        src, _ = self._next(chunk)
         t0 = time.perf_counter()
-        C.irecv(dy, self.stage + 1, comm=self.comm, tag=_TAG_GRADIENT).wait()
+        C.irecv(dy, src, comm=self.comm, tag=_TAG_GRADIENT + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return dy
+
+    def _send_gradient(self, dx: Any, chunk: int) -> C.Request:
+        if dx is None:
+            raise ValueError(f"stage {self.stage}: backward returned no input gradient to "
+                             f"send to stage {self._previous(chunk)[0]}")
+        dst, to = self._previous(chunk)
+        self.stats.messages += 1
+        return C.isend(np.ascontiguousarray(dx), dst, comm=self.comm,
+                       tag=_TAG_GRADIENT + _TAG_CHUNK * to)
+
+    def _order(self, schedule: str, m: int, train: bool) -> list[tuple[str, int, int]]:
+        """This stage's ``(kind, micro-batch, chunk)`` operations (ValueError, the same on
+        every stage, for a schedule that cannot run)."""
+        v = self.virtual_stages
+        if not train:  # evaluation: every forward, chunk by chunk
+            return [("F", i, c) for c in range(v) for i in range(m)]
+        schedule = check_schedule(schedule)
+        if schedule == "zero-bubble" and self.backward_weight is None:
+            raise ValueError("the zero-bubble schedule needs backward_weight")
+        from mpidist.parallel.schedules import orders
+
+        return orders(schedule, self.n_stages, m, v)[self.stage]
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, the chunk (the last argument) left out with one virtual stage."""
+        return fn(*args) if self.virtual_stages > 1 else fn(*args[:-1])
 
     # -- the schedule -----------------------------------------------------------------------
     def run(self, inputs: Sequence[Any], targets: Sequence[Any] | None = None, *,
@@ -257,34 +330,28 @@ class PipelineStage:
         :attr:`stats`. With ``train=False`` only the forwards run (evaluation).
         """
         m = len(inputs)
-        if not train:
-            order: list[tuple[str, int]] = [("F", i) for i in range(m)]
-        elif schedule == "zero-bubble":
-            if self.backward_weight is None:
-                raise ValueError("the zero-bubble schedule needs backward_weight")
-            from mpidist.parallel.schedules import orders
-
-            order = [(k, i) for k, i, _ in orders(schedule, self.n_stages, m)[self.stage]]
-        else:
-            order = schedule_order(schedule, self.stage, self.n_stages, m)
+        order = self._order(schedule, m, train)
         if self.is_last and (self.loss is None or targets is None or len(targets) != m):
             raise ValueError(f"the last stage needs a loss and {m} targets")
+        last_chunk = self.virtual_stages - 1
         self.stats = PipelineStats()
         sends: list[C.Request] = []
-        sent_shape: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
+        sent_shape: dict[tuple[int, int], tuple[tuple[int, ...], np.dtype]] = {}
         total = 0.0
         live = 0
         t_start = time.perf_counter()
-        for kind, i in order:
+        for kind, i, c in order:
+            first = self.is_first and c == 0
+            last = self.is_last and c == last_chunk
             if kind == "F":
-                x = inputs[i] if self.is_first else self._recv_activation()
-                y = self.forward(x, i)
-                if self.is_last and targets is not None:  # (checked above: the last has them)
+                x = inputs[i] if first else self._recv_activation(c)
+                y = self._call(self.forward, x, i, c)
+                if last and targets is not None:  # (checked above: the last has them)
                     total += self.loss.forward(y, targets[i], normalizer=normalizer, ctx=i)
                 else:
                     y = np.ascontiguousarray(y)
-                    sent_shape[i] = (y.shape, y.dtype)
-                    sends += self._send_activation(y)
+                    sent_shape[(i, c)] = (y.shape, y.dtype)
+                    sends += self._send_activation(y, c)
                 live += 1
                 self.stats.peak_live = max(self.stats.peak_live, live)
             elif kind == "W":
@@ -294,21 +361,12 @@ class PipelineStage:
                 C.wait_all(sends)
                 sends = []
                 self.backward_weight(i)  # type: ignore[misc]
-            else:
-                if self.is_last:
-                    dy = self.loss.backward(ctx=i)
-                else:
-                    dy = self._recv_gradient(*sent_shape.pop(i))
-                dx = self.backward(dy, i)
-                if not self.is_first:
-                    if dx is None:
-                        raise ValueError(
-                            f"stage {self.stage}: backward returned no input gradient to send "
-                            f"to stage {self.stage - 1}"
-                        )
-                    sends.append(C.isend(np.ascontiguousarray(dx), self.stage - 1,
-                                         comm=self.comm, tag=_TAG_GRADIENT))
-                    self.stats.messages += 1
+            else:  # "B" (the input gradient) or "BW" (a whole backward)
+                dy = self.loss.backward(ctx=i) if last else \
+                    self._recv_gradient(*sent_shape.pop((i, c)), chunk=c)
+                dx = self._call(self.backward, dy, i, c)
+                if not first:
+                    sends.append(self._send_gradient(dx, c))
                 live -= 1
             # Completed sends release their buffers (and drive MPI progress).
             sends = [r for r in sends if not r.test()]

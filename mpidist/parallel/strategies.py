@@ -110,8 +110,12 @@ class HybridShardedOptimizer(ShardedOptimizer):
         pipeline_parallel_size, tensor_parallel_size: pp and tp sizes.
         data_parallel_size: dp size; -1 infers it from the world size.
         zero_stage: the sharding level over dp, 0-3.
-        schedule: "1f1b" (default), "gpipe" or "zero-bubble" (ZB-H1: the weight
-            gradients deferred into the bubble; zero_stage 0-2).
+        schedule: "1f1b" (default), "gpipe", "interleaved" (Megatron's: each stage holds
+            ``virtual_stages`` non-adjacent model chunks, the bubble divided by them;
+            micro_batches a multiple of pp) or "zero-bubble" (ZB-H1: the weight
+            gradients deferred into the bubble).
+        virtual_stages: chunks per stage of the interleaved schedule (None:
+            ``config.virtual_stages``, default 1).
         balance: stage split, "uniform" (units) or "parameters" (parameter count).
         comm: communicator to build the mesh on when ``config.mesh`` is None.
         loss, lr_schedule: as for every strategy (with tp > 1 and a vocabulary-sharded
@@ -122,7 +126,9 @@ class HybridShardedOptimizer(ShardedOptimizer):
             default the model's own plan (GPT, MLP).
 
     Construction is pure and raises ValueError (same on every rank) for sizes that do not
-    match the world or the mesh, a bad zero_stage, schedule or balance.
+    match the world or the mesh, a bad zero_stage, schedule or balance, virtual_stages > 1
+    with another schedule than "interleaved", or micro_batches not a multiple of pp under
+    it.
     """
 
     base_name = "hybrid"
@@ -131,9 +137,10 @@ class HybridShardedOptimizer(ShardedOptimizer):
                  pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
                  data_parallel_size: int = -1, zero_stage: int = 0, *,
                  schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
-                 loss: Any = None, lr_schedule: Any = None, tp_plan: Any = None) -> None:
+                 loss: Any = None, lr_schedule: Any = None, tp_plan: Any = None,
+                 virtual_stages: int | None = None) -> None:
         super().__init__(base, config, level=zero_stage, loss=loss, lr_schedule=lr_schedule,
-                         tp_plan=tp_plan,
+                         tp_plan=tp_plan, virtual_stages=virtual_stages,
                          pipeline_parallel_size=pipeline_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, schedule=schedule,

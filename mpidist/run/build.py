@@ -43,6 +43,10 @@ def _check_combination(cfg: TrainConfig) -> None:
         with_pp = [n for n, s in STRATEGIES.items() if "pp" in s.options]
         raise ValueError(f"--pp {cfg.pp} --tp {cfg.tp} need --strategy {' or '.join(with_pp)} "
                          f"(got --strategy {cfg.strategy})")
+    if cfg.virtual_stages > 1 and "pp" not in takes:
+        raise ValueError(f"--virtual-stages {cfg.virtual_stages} needs a pipeline: --strategy "
+                         f"{' or '.join(n for n, s in STRATEGIES.items() if 'pp' in s.options)}"
+                         f" (got --strategy {cfg.strategy})")
     level = STRATEGIES[cfg.strategy].level
     if cfg.zero_stage and "zero_stage" not in takes and cfg.zero_stage != level:
         named = DATA_PARALLEL[cfg.zero_stage]
@@ -68,7 +72,7 @@ def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
     spec = STRATEGIES[cfg.strategy]
     config = ShardingConfiguration(dtype=cfg.dtype, micro_batches=cfg.micro_batches,
                                    max_grad_norm=cfg.max_grad_norm, bucket_mb=cfg.bucket_mb,
-                                   recompute=cfg.recompute)
+                                   recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     if "min_workers" in spec.options:
         from mpidist.run.elastic import elastic_bounds

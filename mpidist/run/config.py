@@ -26,7 +26,7 @@ COMPRESSION_METHODS = ("fp16", "bf16", "topk", "powersgd")
 
 _POSITIVE = ("global_batch", "steps", "micro_batches", "n_layer", "n_head", "n_embd",
              "block_size", "vocab_size", "keep", "eval_batches", "sync_period", "shard_group",
-             "powersgd_rank")
+             "powersgd_rank", "virtual_stages")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class TrainConfig:
     powersgd_rank: int = 4
     staleness: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     recompute: str = "none"
     micro_batches: int = 1
     global_batch: int = 32
@@ -87,6 +88,9 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r} must be float32 or float64")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"--virtual-stages {self.virtual_stages} needs --schedule "
+                             f"interleaved (got --schedule {self.schedule})")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         if self.compression not in COMPRESSION_METHODS:
@@ -224,8 +228,13 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--powersgd-rank", int, None, "rank of the factors (--compression powersgd)"),
     ("--staleness", int, None, "steps a gradient may stay in flight (--strategy async)"),
     ("--schedule", str, SCHEDULES,
-     "pipeline schedule (--pp > 1); zero-bubble splits each backward into the input "
-     "gradient and the weight gradients, deferred into the bubble"),
+     "pipeline schedule (--pp > 1); interleaved runs --virtual-stages model chunks per "
+     "stage (the bubble divided by them; --micro-batches a multiple of --pp); zero-bubble "
+     "splits each backward into the input gradient and the weight gradients, deferred "
+     "into the bubble"),
+    ("--virtual-stages", int, None,
+     "model chunks per pipeline stage (--schedule interleaved; the model needs at least "
+     "--pp x this many units: --n-layer + 2)"),
     ("--recompute", str, RECOMPUTE,
      "activation checkpointing: keep only each block's input, recompute the rest in backward"),
     ("--micro-batches", int, None, "micro-batches per step"),

@@ -102,6 +102,13 @@ def test_toml_config_and_flags_override(tmp_path: Path):
     (["--n-embd", "10", "--n-head", "4"], "n_embd=10 is not divisible by n_head=4"),
     (["--global-batch", "1"], "--global-batch 1 is too small for 2 data-parallel ranks"),
     (["--pp", "2"], "--pp 2 --tp 1 need --strategy hybrid"),
+    (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved (got "
+                                "--schedule 1f1b)"),
+    (["--strategy", "hybrid", "--pp", "2", "--schedule", "interleaved", "--virtual-stages",
+      "2", "--micro-batches", "3"], "schedule='interleaved' needs micro_batches a multiple "
+                                    "of pp=2; got micro_batches=3"),
+    (["--strategy", "hybrid", "--pp", "2", "--schedule", "interleaved", "--virtual-stages",
+      "2", "--micro-batches", "2"], "virtual_stages=2 with pp=2 needs at least 4 units"),
 ])
 def test_bad_flags_fail_on_every_rank(tmp_path: Path, args, message):
     base = [a for a in TINY if a not in ("--global-batch", "12")]
@@ -128,3 +135,20 @@ def test_hybrid_run_resumes_as_another_strategy(tmp_path: Path):
     mpidist(3, "train", "--out", str(part), "--strategy", "zero2", "--resume", *args)
     got = rows(part / "metrics.jsonl")
     np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-9)
+
+
+def test_interleaved_run_trains_as_ddp(tmp_path: Path):
+    """--schedule interleaved --virtual-stages 2 at pp=2 (4 units: 2 chunks a stage) gives
+    DDP's losses; the TOML key is virtual_stages."""
+    args = [*TINY, "--n-layer", "2", "--steps", "3", "--checkpoint-interval", "0",
+            "--micro-batches", "2"]
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[train]\nschedule = "interleaved"\nvirtual-stages = 2\n')
+    inter = tmp_path / "interleaved"
+    mpidist(2, "train", "--config", str(cfg), "--out", str(inter), "--strategy", "hybrid",
+            "--pp", "2", *args)
+    ddp = tmp_path / "ddp"
+    mpidist(2, "train", "--out", str(ddp), *args)
+    want, got = rows(ddp / "metrics.jsonl"), rows(inter / "metrics.jsonl")
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
+                               rtol=1e-9)

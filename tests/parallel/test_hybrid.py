@@ -97,7 +97,7 @@ SIZES = factorizations(world_size())
 # with and without clipping by the global norm.
 OPTIONS = [("gpipe", 0, None), ("1f1b", 0, 0.5), ("1f1b", 1, None), ("gpipe", 2, 0.5),
            ("1f1b", 3, 0.5), ("zero-bubble", 0, None), ("zero-bubble", 1, 0.5),
-           ("zero-bubble", 2, None)]
+           ("zero-bubble", 2, None), ("zero-bubble", 3, 0.5)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -210,11 +210,12 @@ def test_bad_input_raises_on_every_rank(comm):
                                data_parallel_size=1, comm=comm)
     with pytest.raises(ValueError, match="zero_stage=4"):
         HybridShardedOptimizer(make_opt(), cfg, zero_stage=4, comm=comm)
-    with pytest.raises(ValueError, match="schedule='interleaved'"):
-        HybridShardedOptimizer(make_opt(), cfg, schedule="interleaved", comm=comm)
-    with pytest.raises(ValueError, match="'zero-bubble' with zero_stage=3: a deferred"):
-        HybridShardedOptimizer(make_opt(), cfg, schedule="zero-bubble", zero_stage=3,
-                               comm=comm)
+    with pytest.raises(ValueError, match="schedule='interleaved' needs micro_batches a "
+                                         f"multiple of pp={n}"):
+        HybridShardedOptimizer(make_opt(), cfg.replace(micro_batches=n + 1),
+                               pipeline_parallel_size=n, schedule="interleaved", comm=comm)
+    with pytest.raises(ValueError, match="schedule='zb-v' is not one of"):
+        HybridShardedOptimizer(make_opt(), cfg, schedule="zb-v", comm=comm)
     mesh = ProcessMesh(comm, pp=n)
     with pytest.raises(ValueError, match="do not match config.mesh"):
         HybridShardedOptimizer(make_opt(), cfg.replace(mesh=mesh), tensor_parallel_size=n,
