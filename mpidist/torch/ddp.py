@@ -1,17 +1,10 @@
 """``DistributedDataParallel`` over MPI, with torch's interface and semantics.
 
-Construction broadcasts the parameters and buffers from rank 0 of the communicator. During
-backward a post-accumulate-grad hook on every parameter copies its gradient into a bucket (a
-flat tensor; buckets are filled in reverse registration order, the first one small so that
-communication starts early) and makes ``param.grad`` a view of its slot, so later
-accumulation happens in the bucket itself. A full bucket is divided by the world size and
-summed with a nonblocking MPI allreduce while backward continues (the buckets start in
-index order on every rank; ``MPIDIST_TORCH_OVERLAP=1``, else each full bucket is reduced at
-once with a blocking allreduce, faster where no core is free to hide it); the remaining
-hooks drive MPI's progress. At the end of
-backward (an autograd final callback) every allreduce is waited for: when
-``loss.backward()`` returns, every ``param.grad`` holds the average over ranks, exactly as
-torch's DDP leaves it.
+During backward a post-accumulate-grad hook copies each gradient, divided by the world size,
+into its bucket (a flat tensor; buckets in reverse registration order, the first one small)
+and makes ``param.grad`` a view of its slot. A full bucket is summed over the ranks at once
+(with ``MPIDIST_TORCH_OVERLAP=1`` by a nonblocking allreduce that the later hooks progress;
+buckets start in index order on every rank). An autograd final callback waits for them all.
 """
 
 from __future__ import annotations
@@ -43,13 +36,9 @@ class _Bucket:
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        self.slots: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.slots.append(self.flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        sizes = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+        self.slots = [s.view_as(p) for s, p in zip(self.flat.split(sizes), params, strict=True)]
         self.view = HostView(self.flat)
         self.pending = len(params)
         self.request: C.Request | None = None
@@ -123,7 +112,8 @@ class DistributedDataParallel(torch.nn.Module):
         cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * (1 << 20))
         self._names = {p: n for n, p in module.named_parameters()}
         self._buckets = _make_buckets([p for p in module.parameters() if p.requires_grad], cap)
-        self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._where = {p: (b, slot) for b in self._buckets
+                       for p, slot in zip(b.params, b.slots, strict=True)}
         self._ready: set[torch.nn.Parameter] = set()
         self._next = 0  # next bucket to start (buckets start in index order everywhere)
         self._sync_backward = False
@@ -168,8 +158,8 @@ class DistributedDataParallel(torch.nn.Module):
                 f"parameter {self._names[p]!r} got a gradient twice in one synchronised "
                 "backward; use no_sync() for the backwards before the last"
             )
-        bucket, i = self._where[p]
-        self._into_slot(p, bucket.slots[i])
+        bucket, slot = self._where[p]
+        self._into_slot(p, slot)
         self._ready.add(p)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -228,8 +218,7 @@ class DistributedDataParallel(torch.nn.Module):
                 )
             unused: set[torch.Tensor] = set()
             for p in missing:
-                bucket, i = self._where[p]
-                slot = bucket.slots[i]
+                bucket, slot = self._where[p]
                 if p.grad is None:  # no gradient on this rank: zero contribution
                     slot.zero_()
                     unused.add(p)
@@ -245,8 +234,7 @@ class DistributedDataParallel(torch.nn.Module):
             anywhere = used.wait() if used is not None else flags.numpy()
             for p, flag in zip(self._where, anywhere, strict=True):
                 if p in unused and flag:  # used on another rank: take the average
-                    bucket, i = self._where[p]
-                    p.grad = bucket.slots[i]
+                    p.grad = self._where[p][1]
         finally:
             self._ready.clear()
             self._next = 0
