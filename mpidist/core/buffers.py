@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -71,13 +70,6 @@ def row_range(rows: int, rank: int, n: int) -> tuple[int, int]:
     return lo, min(lo + s, rows)
 
 
-def _check_bytes(what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{what}={value!r} must be an integer")
-    if value <= 0:
-        raise ValueError(f"{what}={value} must be > 0")
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """Where one named tensor lives in a flat buffer."""
@@ -122,9 +114,9 @@ def make_buckets(
     ``first_bytes``: a smaller size for the first bucket, so that its communication starts
     early in backward (torch's DDP: 1 MiB).
     """
-    _check_bytes("bucket_bytes", bucket_bytes)
+    _check_group(bucket_bytes, "bucket_bytes")
     if first_bytes is not None:
-        _check_bytes("first_bytes", first_bytes)
+        _check_group(first_bytes, "first_bytes")
     limit = max(1, bucket_bytes // itemsize)
     first = limit if first_bytes is None else min(limit, max(1, first_bytes // itemsize))
     ordered = sorted(specs, key=lambda sp: sp.offset, reverse=True)
@@ -143,21 +135,22 @@ def make_buckets(
     return buckets
 
 
-def _normalize_specs(tensors: Iterable[tuple[str, Sequence[int]]]) -> list[tuple[str, Shape]]:
-    out: list[tuple[str, Shape]] = []
-    seen: set[str] = set()
-    for item in tensors:
-        name, shape = item
+def _pack(tensors: Iterable[tuple[str, Sequence[int]]]) -> tuple[list[TensorSpec], int]:
+    """Specs of the named tensors back to back from offset 0, and their total size;
+    ValueError for an empty or repeated name or a negative dimension."""
+    specs: dict[str, TensorSpec] = {}
+    offset = 0
+    for name, shape in tensors:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name {name!r} must be a non-empty string")
-        if name in seen:
+        if name in specs:
             raise ValueError(f"tensor name {name!r} is registered twice")
-        seen.add(name)
         shape_t = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape_t):
             raise ValueError(f"tensor {name!r} has a negative dimension in shape {shape_t}")
-        out.append((name, shape_t))
-    return out
+        specs[name] = TensorSpec(name, shape_t, offset)
+        offset = specs[name].stop
+    return list(specs.values()), offset
 
 
 class FlatBuffer:
@@ -185,16 +178,10 @@ class FlatBuffer:
         data: np.ndarray | None = None,
     ) -> None:
         _check_group(pad_to, "pad_to")
-        specs = _normalize_specs(tensors)
+        specs, self.numel = _pack(tensors)
         self.dtype = np.dtype(dtype)
         self.pad_to = int(pad_to)
-        self.specs: dict[str, TensorSpec] = {}
-        offset = 0
-        for name, shape in specs:
-            spec = TensorSpec(name, shape, offset)
-            self.specs[name] = spec
-            offset = spec.stop
-        self.numel = offset
+        self.specs: dict[str, TensorSpec] = {spec.name: spec for spec in specs}
         length = padded_length(self.numel, self.pad_to)
         if data is None:
             self.data = np.zeros(length, dtype=self.dtype)
@@ -270,29 +257,13 @@ class FlatBuffer:
 
     def shard_range(self, rank: int, n: int) -> tuple[int, int]:
         """``[start, stop)`` of rank ``rank``'s shard over a group of ``n``."""
-        s = self.shard_size(n)
-        if not 0 <= rank < n:
-            raise ValueError(f"rank={rank} is outside a group of size {n}")
-        return rank * s, (rank + 1) * s
+        self._check_divides(n)
+        return shard_range(self.data.shape[0], rank, n)
 
     def shard(self, rank: int, n: int) -> np.ndarray:
         """Rank ``rank``'s shard as a view of the flat storage."""
         start, stop = self.shard_range(rank, n)
         return self.data[start:stop]
-
-    def tensor_slices(self, start: int, stop: int) -> list[tuple[str, slice, slice]]:
-        """Tensors overlapping the flat range ``[start, stop)``.
-
-        Returns ``(name, flat_slice_in_tensor, slice_in_range)`` for each overlap, in order,
-        so a shard can be mapped back to the named tensors it covers (checkpoints use this).
-        """
-        out = []
-        for spec in self.specs.values():
-            lo, hi = max(start, spec.offset), min(stop, spec.stop)
-            if lo < hi:
-                in_tensor = slice(lo - spec.offset, hi - spec.offset)
-                out.append((spec.name, in_tensor, slice(lo - start, hi - start)))
-        return out
 
     # -- buckets --------------------------------------------------------------------
     def buckets(self, bucket_bytes: int) -> list[Bucket]:
@@ -360,15 +331,11 @@ class ShardedLayout:
         seen: set[str] = set()
         full = local = 0
         for u, tensors in enumerate(units):
-            specs = []
-            off = 0
-            for name, shape in _normalize_specs(tensors):
-                if name in seen:
-                    raise ValueError(f"tensor name {name!r} appears in two units")
-                seen.add(name)
-                spec = TensorSpec(name, shape, off)
-                specs.append(spec)
-                off = spec.stop
+            specs, off = _pack(tensors)
+            for spec in specs:
+                if spec.name in seen:
+                    raise ValueError(f"tensor name {spec.name!r} appears in two units")
+                seen.add(spec.name)
             padded = padded_length(off, n)
             span = UnitSpan(u, tuple(specs), off, padded, padded // n, full, local)
             spans.append(span)

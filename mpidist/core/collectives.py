@@ -27,6 +27,7 @@ hanging or silently mixing buffers.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,19 +150,20 @@ def _check_array(a: Any, what: str, reduce: bool = False) -> Any:
     return a
 
 
+def _check_out(out: Any, size: int, dtype: Any, what: str, reduce: bool = False) -> Any:
+    """``out`` checked as by :func:`_check_array` and to hold ``size`` elements of ``dtype``."""
+    o = _check_array(out, f"{what} output", reduce)
+    if o.size != size or np.dtype(o.dtype) != np.dtype(dtype):
+        raise ValueError(f"{what} output has shape {tuple(o.shape)} and dtype {o.dtype}; "
+                         f"need {size} elements of {dtype}")
+    return o
+
+
 def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
-def _contig(a: Any) -> bool:
-    return isinstance(a, np.ndarray) and a.flags.c_contiguous
-
-
 # -- debug check --------------------------------------------------------------------------
-def _signature(name: str, a: Any, extra: str = "") -> str:
-    return f"{name} dtype={np.dtype(a.dtype)} shape={tuple(a.shape)}{extra}"
-
-
 def _debug_check(comm: Any, sig: str) -> None:
     """Collective: every rank's signature must match, else raise on every rank."""
     raw = sig.encode()[:_SIG_BYTES].ljust(_SIG_BYTES, b"\0")
@@ -178,7 +180,7 @@ def _debug_check(comm: Any, sig: str) -> None:
 
 
 def _maybe_check(comm: Any, name: str, a: Any, extra: str = "") -> None:
-    _debug_check(comm, _signature(name, a, extra))
+    _debug_check(comm, f"{name} dtype={np.dtype(a.dtype)} shape={tuple(a.shape)}{extra}")
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -273,8 +275,6 @@ _POLL_SLEEP = float(os.environ.get("MPIDIST_POLL_SLEEP", "0.0002"))
 def _poll(reqs: list[Any]) -> None:
     # Sleep between tests rather than spin in Waitall: ranks waiting on the inter-node link
     # then leave the cores to the node's ranks doing shared-memory stages.
-    import time
-
     test = _mpi().Request.Testall
     while not test(reqs):
         time.sleep(_POLL_SLEEP)
@@ -387,12 +387,7 @@ def ireduce_scatter(
     numel = b.size
     s = -(-numel // n)
     if out is not None:
-        o = _check_array(out, "reduce_scatter output", reduce=True)
-        if o.size != s or np.dtype(o.dtype) != np.dtype(b.dtype):
-            raise ValueError(
-                f"reduce_scatter output has shape {tuple(o.shape)} and dtype {o.dtype}; "
-                f"need {s} elements of {b.dtype}"
-            )
+        o = _check_out(out, s, b.dtype, "reduce_scatter", reduce=True)
     if n == 1:
         if out is None:
             return Request([], _flat(b))
@@ -441,9 +436,9 @@ def reduce_scatter(
     if n == 1 or _is_device(buf) or (out is not None and _is_device(out)):
         return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     s = -(-buf.size // n)
-    bad_out = out is not None and (out.size != s or out.dtype != buf.dtype or not _contig(out))
-    if bad_out or _two_level(comm, buf, s * n * buf.itemsize, algorithm) is not None:
-        # (a bad ``out`` raises the ValueError there)
+    if out is not None:
+        _check_out(out, s, buf.dtype, "reduce_scatter", reduce=True)
+    if _two_level(comm, buf, s * n * buf.itemsize, algorithm) is not None:
         return ireduce_scatter(buf, op, comm=comm, out=out, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, f"reduce_scatter[{op}]", buf)
@@ -475,12 +470,7 @@ def iallgather(
     if numel is not None and not 0 <= numel <= total:
         raise ValueError(f"numel={numel} is outside [0, {total}] for {n} shards of {s}")
     if out is not None:
-        o = _check_array(out, "allgather output")
-        if o.size != total or np.dtype(o.dtype) != np.dtype(sh.dtype):
-            raise ValueError(
-                f"allgather output has shape {tuple(o.shape)} and dtype {o.dtype}; "
-                f"need {total} elements of {sh.dtype}"
-            )
+        o = _check_out(out, total, sh.dtype, "allgather")
 
     def trim(a: Any) -> Any:
         return a if numel is None or numel == total else _flat(a)[:numel]
@@ -524,10 +514,9 @@ def allgather(
         return iallgather(shard, **kw).wait()
     _check_array(shard, "allgather shard")
     total = comm.Get_size() * shard.size
-    bad_out = out is not None and (
-        out.size != total or out.dtype != shard.dtype or not _contig(out)
-    )
-    if bad_out or (numel is not None and not 0 <= numel <= total):
+    if out is not None:
+        _check_out(out, total, shard.dtype, "allgather")
+    if numel is not None and not 0 <= numel <= total:
         return iallgather(shard, **kw).wait()  # raises ValueError
     if _two_level(comm, shard, total * shard.itemsize, algorithm) is not None:
         return iallgather(shard, **kw).wait()
