@@ -1,11 +1,6 @@
-"""The run directory (``--out``): what it holds, and keeping its files consistent.
-
-Rank 0 looks at the directory (:func:`inspect_out`) and tells the other ranks
-(:func:`mpidist.core.comms.bcast_json`), so every rank takes the same decision from the same
-facts. After a resume from step ``k``, :func:`drop_rows_after` removes from
-``metrics.jsonl`` and ``events.jsonl`` the rows of the abandoned attempt past ``k`` (the
-file is rewritten under a temporary name and renamed, so a crash leaves the old file or
-the new one, never half of it). :func:`remove_run_outputs` is ``--overwrite``.
+"""The run directory (``--out``): what it holds (:func:`inspect_out`, which rank 0 calls
+and broadcasts), the rows of an abandoned attempt dropped after a resume
+(:func:`drop_rows_after`), and ``--overwrite`` (:func:`remove_run_outputs`).
 """
 
 from __future__ import annotations

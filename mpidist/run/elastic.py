@@ -1,18 +1,10 @@
 """Elastic resizing as an event between steps of the one loop (``--strategy elastic``).
 
-At every step boundary but the last:
-
-* a worker that received SIGTERM leaves (its shards move to the others; it exits 0);
-* if the file ``<out>/elastic-target`` exists, rank 0 reads a world size from it, deletes
-  it, and asks for that size: ``echo 4 > runs/train/elastic-target`` grows the job to 4
-  workers by spawning (or shrinks it: the highest ranks leave);
-* changes outside ``[--min-workers, --max-workers]`` are refused (logged, an
-  ``events.jsonl`` row) and training goes on.
-
-Spawned workers run the same command line and join inside ``wrap``. Under the supervisor
-(``mpidist run --elastic``), ``MPIDIST_MIN_WORKERS``/``MPIDIST_MAX_WORKERS`` are the bounds
-when the config leaves them at their defaults. A whole elastic job is preempted with
-SIGUSR1 (``#SBATCH --signal=USR1@60``), since SIGTERM makes one worker leave.
+At every step boundary but the last, a worker that received SIGTERM leaves, and rank 0
+asks for the world size written to ``<out>/elastic-target`` (then deletes the file);
+changes outside ``[--min-workers, --max-workers]`` are refused and training goes on.
+Under the supervisor the bounds default to ``MPIDIST_MIN_WORKERS``/``MPIDIST_MAX_WORKERS``.
+See the user guide, "Elastic training".
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ from typing import Any
 
 from mpidist.run.config import TrainConfig
 
-__all__ = ["TARGET_FILE", "ElasticHook", "elastic_bounds"]
+__all__ = ["TARGET_FILE", "ElasticHook", "check_global_batch", "elastic_bounds"]
 
 log = logging.getLogger("mpidist.cli.train")
 
@@ -38,6 +30,16 @@ def elastic_bounds(cfg: TrainConfig) -> tuple[int, int]:
     if hi == TrainConfig.default("max_workers") and "MPIDIST_MAX_WORKERS" in os.environ:
         hi = int(os.environ["MPIDIST_MAX_WORKERS"])
     return lo, hi
+
+
+def check_global_batch(cfg: TrainConfig, dp_size: int,
+                       ranks: str = "data-parallel ranks") -> None:
+    """Raise ValueError unless each of ``dp_size`` ranks gets a sample per micro-batch (any
+    split works otherwise: the slices differ by at most one sample). Pure."""
+    need = dp_size * cfg.micro_batches
+    if cfg.global_batch < need:
+        raise ValueError(f"--global-batch {cfg.global_batch} is too small for {dp_size} {ranks} "
+                         f"x {cfg.micro_batches} micro-batches (needs at least {need})")
 
 
 def read_target(out: str) -> int:
@@ -80,7 +82,5 @@ class ElasticHook:
         if model is None:
             self.left = True
             return None
-        if cfg.global_batch < model.dp_size * cfg.micro_batches:
-            raise ValueError(f"--global-batch {cfg.global_batch} is too small for "
-                             f"{model.dp_size} workers x {cfg.micro_batches} micro-batches")
+        check_global_batch(cfg, model.dp_size, "workers")
         return model

@@ -1,25 +1,11 @@
-"""The run directory's lock: one run at a time owns ``--out``.
+"""The run directory's lock, ``<out>/run.lock``: one run at a time owns ``--out``.
 
-The lock is a file, ``<out>/run.lock``, holding JSON: who holds it (``holder``: "mpidist
-train rank 0" or "mpidist run --elastic"), ``host``, ``pid``, a random ``token``, the time
-it was taken and the time it was last renewed, and the Slurm job and restart count when
-there is one. It is a *lease*: the holder's thread rewrites it every ``lease`` seconds
-(:data:`LEASE_SECONDS`, or ``MPIDIST_LOCK_LEASE_S``), and a lock that has not been renewed
-for :data:`STALE_LEASES` leases belongs to a run that is gone (killed with SIGKILL, its
-node lost, its job requeued elsewhere). Liveness is judged from the renewal time alone
-across nodes; only on the holder's own host (and PID namespace), a holder process that no
-longer exists makes the lock stale at once; a requeued start of the same Slurm job takes
-over its previous start's lock at once (Slurm starts it only after the previous start has
-ended), and so does a Slurm job whose holder was another Slurm job that ``squeue`` says has
-ended (the next segment of a resume chain after a segment killed at its time limit).
-
-Taking the lock is atomic on local and shared file systems: the full content is written to
-a temporary file that is then hard-linked to ``run.lock`` (``link`` fails if the name
-exists). A stale lock is renamed aside before the new one is linked, and the renamed file's
-token is checked, so two runs that find the same stale lock cannot both take over.
-
-A run started by ``mpidist run --elastic`` runs under its supervisor's lock: the supervisor
-passes the token in ``MPIDIST_RUN_LOCK_TOKEN`` and its jobs recognise the lock as theirs.
+A JSON lease naming its holder, renewed every ``lease`` seconds by a thread and stale
+after :data:`STALE_LEASES` leases without renewal (or sooner: a gone process on this host,
+an earlier start of the same Slurm job, an ended Slurm job). Taken atomically by linking a
+complete file into place; a stale lock is renamed aside and its token checked, so two runs
+cannot both take it over. A supervisor hands its lock to its jobs (``MPIDIST_RUN_LOCK_TOKEN``).
+Documented in ``docs/runs.md`` ("One run per directory").
 """
 
 from __future__ import annotations
@@ -35,6 +21,8 @@ import subprocess
 import threading
 import time
 from typing import Any
+
+from mpidist.run.preempt import env_count
 
 __all__ = ["LEASE_SECONDS", "LOCK_NAME", "STALE_LEASES", "TOKEN_ENV", "LockHeldError",
            "RunLock", "describe_holder", "lease_seconds", "read_lock", "stale_reason"]
@@ -77,11 +65,7 @@ def _slurm() -> dict[str, Any]:
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return {}
-    try:
-        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        restart = 0
-    return {"slurm_job_id": job, "slurm_restart_count": restart}
+    return {"slurm_job_id": job, "slurm_restart_count": env_count("SLURM_RESTART_COUNT")}
 
 
 def read_lock(directory: str) -> dict[str, Any] | None:
@@ -198,6 +182,9 @@ class RunLock:
                 "pidns": _pid_namespace(), "token": self.token, "lease_s": self.lease,
                 "started": now if started is None else started, "renewed": now, **_slurm()}
 
+    def _rewrite(self, started: Any) -> None:
+        os.replace(self._write_temp(self._content(started=started)), self.path)
+
     def _write_temp(self, content: dict[str, Any]) -> str:
         tmp = os.path.join(self.directory, f".{LOCK_NAME}.tmp-{secrets.token_hex(6)}")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -269,8 +256,7 @@ class RunLock:
         """Become the holder of this run's lock (a new rank 0 of an elastic job)."""
         info = read_lock(self.directory) or {}
         self.token = token or info.get("token") or secrets.token_hex(8)
-        tmp = self._write_temp(self._content(started=info.get("started")))
-        os.replace(tmp, self.path)
+        self._rewrite(info.get("started"))
         self._start_renewing()
 
     def _start_renewing(self) -> None:
@@ -290,8 +276,7 @@ class RunLock:
                     return
                 if info.get("pid") != os.getpid() or info.get("host") != socket.gethostname():
                     return  # handed over to a new rank 0
-                tmp = self._write_temp(self._content(started=info.get("started", started)))
-                os.replace(tmp, self.path)
+                self._rewrite(info.get("started", started))
             except OSError as exc:  # a file system hiccup: try again next lease
                 log.warning("could not renew the lock of %s: %s", self.directory, exc)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["append_to_run_log", "run_log_path", "set_run_log", "setup_logging"]
+__all__ = ["append_to_run_log", "rank_prefixed", "set_run_log", "setup_logging"]
 
 
 class _RankFilter(logging.Filter):
@@ -69,9 +69,9 @@ def set_run_log(path: str | None, rank: int) -> None:
         root.addHandler(handler)
 
 
-def run_log_path() -> str | None:
-    """The run's log file, or None before a run has one."""
-    return _RUN_LOG["path"]
+def rank_prefixed(rank: int, text: str) -> str:
+    """Every line of ``text`` prefixed with ``[rank N]``."""
+    return "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
 
 
 def append_to_run_log(text: str, rank: int) -> str | None:
@@ -80,10 +80,9 @@ def append_to_run_log(text: str, rank: int) -> str | None:
     path = _RUN_LOG["path"]
     if path is None:
         return None
-    lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
     try:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(lines)
+            f.write(rank_prefixed(rank, text))
     except OSError:
         return None
     return path

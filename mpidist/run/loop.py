@@ -29,7 +29,7 @@ from mpidist.parallel.loop import run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
 from mpidist.run.directory import JSONL_FILES, LOG_NAME, drop_rows_after, remove_run_outputs
-from mpidist.run.elastic import ElasticHook
+from mpidist.run.elastic import ElasticHook, check_global_batch
 from mpidist.run.lock import RunLock
 from mpidist.run.logs import set_run_log, setup_logging
 from mpidist.run.opening import HOLDER, RunOpening, open_run, restart_count
@@ -116,7 +116,6 @@ class _Run:
         signals = [s for s in PREEMPT_SIGNALS if not (self.elastic and s == signal.SIGTERM)]
         self.preemption = Preemption(signals)
         self.preemption.install()
-        self.preemption_hook = _PreemptHook(self)
         self.opt = make_strategy(cfg, comm)
         self.io_seconds = 0.0
         self.last_saved = -1
@@ -142,7 +141,7 @@ class _Run:
         cfg = self.cfg
         t_setup = time.perf_counter()
         self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
-        self._check_batch(self.model)
+        check_global_batch(cfg, self.model.dp_size)
         self.train_data, self.val_data = make_data(cfg)
         from mpidist.data import GlobalBatchSampler
 
@@ -153,10 +152,10 @@ class _Run:
             self._start(start)
         self.progress = Progress(cfg.steps, self.opt.step_count,
                                  enabled=self.is_root() and cfg.progress)
-        hooks: list[Any] = [self, self.preemption_hook]
+        hooks: list[Any] = [self]  # metrics etc. after each step, then preemption
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
-            hooks += [elastic, _LockHook(self)]
+            hooks += [elastic, _BetweenSteps(self._take_lock_over)]
         t_train = time.perf_counter()
         try:
             outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
@@ -169,17 +168,6 @@ class _Run:
             self.left = True
             return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
         return self._finish(outcome, seconds, t_train - t_setup)
-
-    def _check_batch(self, model: Any) -> None:
-        cfg = self.cfg
-        # Any split works (slices differ by at most one sample); each rank needs a sample
-        # per micro-batch.
-        if cfg.global_batch < model.dp_size * cfg.micro_batches:
-            raise ValueError(
-                f"--global-batch {cfg.global_batch} is too small for {model.dp_size} "
-                f"data-parallel ranks x {cfg.micro_batches} micro-batches (needs at least "
-                f"{model.dp_size * cfg.micro_batches})"
-            )
 
     def _maybe_resume(self) -> int:
         """Load the checkpoint the opening chose (or clear the way for a new run), then
@@ -285,6 +273,39 @@ class _Run:
         self.events.write(event="checkpoint", step=step, world_size=self.world_size(),
                           path=os.path.basename(path), seconds=dt, time=time.time(), **event)
 
+    def between_steps(self, model: Any, rec: Any) -> Any:
+        """If any rank got a preemption signal: checkpoint and stop (every rank)."""
+        if rec.step >= self.cfg.steps:
+            return model  # the run ends here anyway, with its final checkpoint
+        signum = self.preemption.agreed(self.job_comm())
+        if not signum:
+            return model
+        self.preempted = signal_name(signum)
+        if self.last_saved != rec.step:
+            self._save(rec.step, reason="preempted")
+        requeue = ""
+        if self.cfg.requeue and self.is_root():
+            requeue = requeue_slurm_job()
+            log.warning("%s", requeue)
+        self.events.write(event="preempted", step=rec.step, signal=self.preempted,
+                          world_size=self.world_size(), exit_status=EXIT_PREEMPTED,
+                          time=time.time(), **({"requeue": requeue} if requeue else {}))
+        if self.is_root():
+            how = " (under mpiexec, Ctrl-C reaches the ranks as SIGTERM)" \
+                if signum == signal.SIGTERM else ""
+            log.warning("preempted by %s%s: stopped after step %d with a checkpoint; the "
+                        "ranks exit with status %d", self.preempted, how, rec.step,
+                        EXIT_PREEMPTED)
+        return None
+
+    def _take_lock_over(self, model: Any, rec: Any) -> Any:
+        """Elastic jobs, between steps: a new rank 0 (the old one left) takes the lock over."""
+        if self.is_root() and self.opening.lock is None:
+            lock = RunLock(self.cfg.out, HOLDER)
+            lock.take_over(self.opening.token or None)
+            self.opening.lock = lock
+        return model
+
     # -- the end -------------------------------------------------------------------------------
     def _finish(self, outcome: Any, seconds: float, setup_seconds: float) -> dict[str, Any]:
         cfg = self.cfg
@@ -342,51 +363,11 @@ class _Run:
         return summary
 
 
-class _PreemptHook:
-    """Between steps: if any rank got a preemption signal, checkpoint and stop."""
+class _BetweenSteps:
+    """A loop hook that calls ``fn(model, record)`` between steps."""
 
-    def __init__(self, run: _Run) -> None:
-        self.run = run
-
-    def between_steps(self, model: Any, rec: Any) -> Any:
-        run = self.run
-        if rec.step >= run.cfg.steps:
-            return model  # the run ends here anyway, with its final checkpoint
-        signum = run.preemption.agreed(run.job_comm())
-        if not signum:
-            return model
-        run.preempted = signal_name(signum)
-        if run.last_saved != rec.step:
-            run._save(rec.step, reason="preempted")
-        requeue = ""
-        if run.cfg.requeue and run.is_root():
-            requeue = requeue_slurm_job()
-            log.warning("%s", requeue)
-        run.events.write(event="preempted", step=rec.step, signal=run.preempted,
-                         world_size=run.world_size(), exit_status=EXIT_PREEMPTED,
-                         time=time.time(), **({"requeue": requeue} if requeue else {}))
-        if run.is_root():
-            how = " (under mpiexec, Ctrl-C reaches the ranks as SIGTERM)" \
-                if signum == signal.SIGTERM else ""
-            log.warning("preempted by %s%s: stopped after step %d with a checkpoint; the "
-                        "ranks exit with status %d", run.preempted, how, rec.step,
-                        EXIT_PREEMPTED)
-        return None
-
-
-class _LockHook:
-    """Elastic jobs: a new rank 0 (the old one left) takes the run's lock over."""
-
-    def __init__(self, run: _Run) -> None:
-        self.run = run
-
-    def between_steps(self, model: Any, rec: Any) -> Any:
-        run = self.run
-        if run.is_root() and run.opening.lock is None:
-            lock = RunLock(run.cfg.out, HOLDER)
-            lock.take_over(run.opening.token or None)
-            run.opening.lock = lock
-        return model
+    def __init__(self, fn: Any) -> None:
+        self.between_steps = fn
 
 
 def _mesh_dict(model: Any) -> dict[str, int]:

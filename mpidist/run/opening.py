@@ -19,7 +19,7 @@ from mpidist.core.comms import bcast_json
 from mpidist.run.config import TrainConfig
 from mpidist.run.directory import inspect_out
 from mpidist.run.lock import TOKEN_ENV, RunLock
-from mpidist.run.preempt import requeued_start
+from mpidist.run.preempt import env_count, requeued_start
 from mpidist.run.resume import NothingToDo, decide_start, resolve_settings
 
 __all__ = ["HOLDER", "RunOpening", "open_run", "restart_count", "restart_requested"]
@@ -31,10 +31,7 @@ HOLDER = "mpidist train rank 0"
 def restart_count() -> int:
     """Which restart of its supervisor this launch is (``MPIDIST_RESTART``; 0: the first
     launch, or none)."""
-    try:
-        return int(os.environ.get("MPIDIST_RESTART", "0") or 0)
-    except ValueError:
-        return 0
+    return env_count("MPIDIST_RESTART")
 
 
 def restart_requested(cfg: TrainConfig) -> bool:

@@ -1,15 +1,10 @@
 """Preemption: a signal asks the run to stop after the current step with a checkpoint.
 
-Slurm sends SIGTERM to every task at a time limit (and SIGKILL ``KillWait`` seconds later,
-30 by default), or the signal of ``#SBATCH --signal=USR1@T`` ``T`` seconds before it. The
-handler only records the signal; between steps the ranks agree (one 8-byte allreduce) on
-whether any of them received one, so every rank finishes the same step, writes the same
-collective checkpoint and exits with :data:`EXIT_PREEMPTED`. A second signal during that
-save is recorded and changes nothing; a SIGKILL during it leaves the previous checkpoint as
-the newest (checkpoints are written under a temporary name and renamed when complete).
-
-With ``--requeue`` under Slurm, rank 0 then runs ``scontrol requeue $SLURM_JOB_ID``; the
-requeued job starts again with ``SLURM_RESTART_COUNT`` > 0, which implies ``--resume``.
+The handler only records the signal (SIGTERM, or SIGUSR1 as ``#SBATCH --signal=USR1@T``
+sends); between steps the ranks agree (one allreduce) on whether any got one, so every
+rank finishes the same step, writes the same checkpoint and exits with
+:data:`EXIT_PREEMPTED`. With ``--requeue`` under Slurm rank 0 then requeues the job, whose
+next start (``SLURM_RESTART_COUNT`` > 0) resumes. See ``docs/runs.md`` ("Signals").
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EXIT_PREEMPTED", "PREEMPT_SIGNALS", "Preemption", "requeue_slurm_job",
+__all__ = ["EXIT_PREEMPTED", "PREEMPT_SIGNALS", "Preemption", "env_count", "requeue_slurm_job",
            "requeued_start"]
 
 log = logging.getLogger("mpidist.cli.train")
@@ -110,9 +105,14 @@ def requeue_slurm_job() -> str:
     return f"requeued Slurm job {job}"
 
 
+def env_count(name: str) -> int:
+    """The integer in environment variable ``name``; 0 when unset, empty or not a number."""
+    try:
+        return int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0
+
+
 def requeued_start() -> bool:
     """Whether this is a requeued start of a Slurm job (``SLURM_RESTART_COUNT`` > 0)."""
-    try:
-        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-    except ValueError:
-        return False
+    return env_count("SLURM_RESTART_COUNT") > 0

@@ -1,24 +1,11 @@
 """What a run does with its ``--out``: start, resume, refuse, or find nothing to do.
 
 Pure functions of the settings, the flags the user gave and what rank 0 found in the
-directory (:func:`mpidist.run.directory.inspect_out`), so every rank decides the same.
-
-``--resume`` takes the run's settings from the checkpoint (``mpidist train`` stores them
-in every checkpoint): the user gives only what changes. Settings fall in four groups:
-
-* fixed (:data:`FIXED`): the model's shape, the dtype, the optimizer, the global batch,
-  the seed and the data. A flag that contradicts the checkpoint is an error.
-* hyperparameters (:data:`TUNABLE`): learning rate and its schedule, weight decay,
-  clipping. Restored unless given; a value given that differs is used, and said.
-* the layout (:data:`LAYOUT`): strategy and mesh and their options. Restored unless
-  ``--strategy`` is given (then the flags and defaults describe the new layout); ``--dp``
-  is restored only on the checkpoint's world size.
-* the run's length and cadence (:data:`CADENCE`): ``--steps`` (a larger value extends the
-  run), checkpoint and validation intervals, ``--data-binary``. Restored unless given.
-
-The learning-rate schedule decays over ``lr_decay_steps``, which a new run sets to its
-``--steps`` and every resume keeps: extending a run with a larger ``--steps`` continues at
-``--min-lr`` past that horizon, and giving ``--lr-decay-steps`` moves it.
+directory (:func:`mpidist.run.directory.inspect_out`), so every rank decides the same. On
+``--resume`` the settings come from the checkpoint by group: :data:`FIXED` (a contradicting
+flag is an error), :data:`TUNABLE` (a value given that differs is used, and said),
+:data:`LAYOUT` (restored unless ``--strategy`` is given; ``--dp`` only on the checkpoint's
+world size) and :data:`CADENCE` (restored unless given). See ``docs/runs.md``.
 """
 
 from __future__ import annotations

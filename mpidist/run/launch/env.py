@@ -45,20 +45,14 @@ def launcher_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     since a batch script's own shell also sees SLURM_PROCID=0.
     """
     env = os.environ if environ is None else environ
-    for name, rank, size, lrank, lsize, nodes in _LAUNCHER_VARS:
+    keys = ("rank", "size", "local_rank", "local_size", "nodes")
+    for name, *variables in _LAUNCHER_VARS:
         if name == "slurm" and "SLURM_STEP_ID" not in env:
             continue
-        if rank in env:
-            return {
-                "launcher": name,
-                "rank": _int(env.get(rank)),
-                "size": _int(env.get(size)),
-                "local_rank": _int(env.get(lrank)),
-                "local_size": _int(env.get(lsize)),
-                "nodes": _int(env.get(nodes)) if nodes else None,
-            }
-    return {"launcher": "none", "rank": None, "size": None, "local_rank": None,
-            "local_size": None, "nodes": None}
+        if variables[0] in env:
+            return {"launcher": name, **{k: _int(env.get(v)) if v else None
+                                         for k, v in zip(keys, variables, strict=True)}}
+    return {"launcher": "none", **dict.fromkeys(keys)}
 
 
 def launcher_from_env_summary() -> dict[str, Any]:

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.run.logs import append_to_run_log, rank_prefixed
+
 __all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error_agreement",
            "exit_code", "one_line", "report_failure"]
 
@@ -30,15 +32,10 @@ def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     stream = sys.stderr if stream is None else stream
     rank = comm.Get_rank()
     sys.stdout.flush()
-    stream.write(_prefixed(rank, text))
+    stream.write(rank_prefixed(rank, text))
     stream.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
     stream.flush()
     comm.Abort(code)
-
-
-def _prefixed(rank: int, text: str) -> str:
-    """Every line of ``text`` prefixed with ``[rank N]``."""
-    return "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
 
 
 class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a statement
@@ -156,8 +153,6 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     the status, so the job ends without ``MPI_Abort``. A failure of this rank alone: its
     line first, then ``Abort`` with the status. Not collective.
     """
-    from mpidist.run.logs import append_to_run_log
-
     stream = sys.stderr if stream is None else stream
     line, code = one_line(exc), exit_code(exc)
     quiet = isinstance(exc, (ValueError, FloatingPointError, KeyboardInterrupt, SystemExit))
@@ -181,7 +176,7 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
         return code
     where = append_to_run_log(text, rank)
     if where is None:
-        stream.write(_prefixed(rank, text))
+        stream.write(rank_prefixed(rank, text))
     more = f"; traceback in {where}" if where else ""
     stream.write(f"[rank {rank}] {prog}: error: {line}{more}; aborting the MPI job "
                  f"(exit code {code})\n")

@@ -1,46 +1,21 @@
 """``mpidist run --elastic``: restart a crashed MPI job from its last checkpoint.
 
-When one worker of an Open MPI job dies (SIGKILL, a node lost), the launcher ends the whole
-job. The supervisor is an ordinary process (not under MPI) that launches::
-
-    mpiexec -n N COMMAND...
-
-and, when that exits with a non-zero status, launches it again with the workers that are
-available now, within ``[min_workers, max_workers]``, up to ``--max-restarts`` times. The
-command continues from its latest committed checkpoint: give it ``--resume auto``
-(``mpidist train --resume auto`` starts from step 0 when there is no checkpoint yet, so the
-same command serves the first launch and every restart; a restart, ``MPIDIST_RESTART`` > 0,
-resumes when it can whatever the flags say). The checkpoint interval bounds the work lost.
-A launch that exits with status 2 refused its input and is not restarted.
-
-The supervisor holds the lock of the command's ``--out`` for the whole run
-(:mod:`mpidist.run.lock`) and hands it to every launch (``MPIDIST_RUN_LOCK_TOKEN``), so no
-other run can start in that directory between two launches.
-
-Environment of each launch (on top of the supervisor's own):
-
-* ``MPIDIST_RESTART=k``: 0 on the first launch, k on the k-th restart;
-* ``MPIDIST_MIN_WORKERS``, ``MPIDIST_MAX_WORKERS``: the bounds, for the job's
-  :class:`~mpidist.parallel.elastic.ElasticOptimizer`;
-* with Open MPI: ``OMPI_MCA_async_mpi_finalize=1`` (a worker that leaves a running job
-  exits at once instead of waiting in ``MPI_Finalize`` for the others), and outside Slurm
-  ``OMPI_MCA_rmaps_base_oversubscribe=1`` (more workers than cores, and room for spawned
-  joiners); as root, ``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``.
-
-Available workers, read again before every restart: ``--slots-file F`` (a file holding one
-integer, or one line per host ``host slots=K`` as in an Open MPI hostfile), else
-``MPIDIST_SLOTS``, else the Slurm allocation ``SLURM_NTASKS``, else the last launch's size.
-
-Events (``launch``, ``crash``, ``restart``, ``gave_up``, ``finished``) are logged and
-appended to a JSON-lines file: ``--events FILE``, else ``events.jsonl`` in the command's
-``--out`` directory if it has one, else in the current directory. Each carries the step of
-the latest checkpoint (read from the checkpoint directory: ``--checkpoint-dir``, else the
-command's ``--out``) and the world size.
+The supervisor is an ordinary process (not under MPI) that runs ``mpiexec -n N COMMAND...``
+and, when that exits with a non-zero status other than 2 (refused input), launches it
+again with the workers available now, within ``[min_workers, max_workers]``, up to
+``--max-restarts`` times; the command continues from its checkpoint (give it ``--resume
+auto``). It holds the lock of the command's ``--out`` (:mod:`mpidist.run.lock`) and hands it
+to every launch. Available workers: ``--slots-file``, else ``MPIDIST_SLOTS``, else
+``SLURM_NTASKS``, else the last launch's size. Events (``launch``, ``crash``, ``restart``,
+``gave_up``, ``finished``, with the latest checkpoint's step) go to ``--events``, else the
+command's ``--out``/``events.jsonl``. Each launch's environment: :func:`launch_env`. User
+guide: "Elastic training".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -53,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpidist.data.sampler import checked_int
 from mpidist.run.lock import TOKEN_ENV
 
 __all__ = ["Supervisor", "add_parser", "available_slots", "launch_env", "read_slots_file"]
@@ -102,7 +78,13 @@ def available_slots(slots_file: str | None, environ: Mapping[str, str] | None = 
 
 def launch_env(restart: int, min_workers: int, max_workers: int,
                environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of one launch (see the module docstring). Pure."""
+    """The environment of one launch. Pure.
+
+    ``MPIDIST_RESTART`` (0 on the first launch, k on the k-th restart),
+    ``MPIDIST_MIN_WORKERS``/``MPIDIST_MAX_WORKERS``; for Open MPI
+    ``OMPI_MCA_async_mpi_finalize=1`` (a leaving worker exits at once), outside Slurm
+    ``OMPI_MCA_rmaps_base_oversubscribe=1``, and as root the run-as-root variables.
+    """
     env = dict(os.environ if environ is None else environ)
     env["MPIDIST_RESTART"] = str(restart)
     env["MPIDIST_MIN_WORKERS"] = str(min_workers)
@@ -151,20 +133,15 @@ class Supervisor:
         if not self.command:
             raise ValueError("no COMMAND to run (put it after --)")
         for name in ("n", "min_workers", "max_workers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
-                or self.max_restarts < 0:
-            raise ValueError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
+            checked_int(getattr(self, name), name, 1)
+        checked_int(self.max_restarts, "max_restarts")
         if self.min_workers > self.max_workers:
             raise ValueError(f"--min-workers {self.min_workers} is above --max-workers "
                              f"{self.max_workers}")
         if not self.min_workers <= self.n <= self.max_workers:
             raise ValueError(f"-n {self.n} is outside [--min-workers {self.min_workers}, "
                              f"--max-workers {self.max_workers}]")
-        out = _flag_value(self.command, "--out")
-        self.out = out
+        self.out = out = _flag_value(self.command, "--out")
         if self.checkpoint_dir is None:
             self.checkpoint_dir = out
         if self.events is None:
@@ -200,8 +177,7 @@ class Supervisor:
         log.log(level, "mpidist run: %s %s", kind,
                 " ".join(f"{k}={v}" for k, v in row.items() if k not in ("event", "time")))
         events = self.events or "events.jsonl"  # (set in __post_init__)
-        parent = os.path.dirname(os.path.abspath(events))
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(events)), exist_ok=True)
         with open(events, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -277,10 +253,8 @@ class Supervisor:
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 # -- command line ------------------------------------------------------------------------
