@@ -1,33 +1,21 @@
 """Checkpoints of torch models and optimizers in mpidist's HDF5 format of global tensors.
 
-The file holds, with their global (single-process) shapes:
-
-* ``params/<name>`` and ``buffers/<name>``: the module's parameters and persistent buffers,
-  named as in the unwrapped module's ``state_dict`` (without DDP's ``module.`` prefix);
-* ``optimizer/<key>/<name>``: every tensor of the optimizer's per-parameter state
-  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, the 0-d ``step``, ...);
-
-and the attributes ``step``, ``wrapper``, ``world_size`` and ``optimizer`` (the optimizer's
-class, its parameter groups' hyperparameters and parameter names, and any non-tensor
-state). Each rank writes only part of every tensor (its shard under ``fully_shard``, the
-parameters its ``ZeroRedundancyOptimizer`` partition owns, an even share of replicated
-tensors) and reads only what its own wrapper needs, so any wrapper at any world size loads a
-checkpoint of any other, or of a plain module in one process.
-
-Models sharded by torch's own parallelisms (FSDP2's ``fully_shard``, tensor parallelism,
-both: parameters and optimizer state that are DTensors on any DeviceMesh) are written the
-same way: each DTensor is redistributed so that every mesh dimension shards its first
-dimension, which leaves each rank one contiguous range of the global tensor to write (a range
-held by several ranks is written by the first); loading reads that range and redistributes
-back to the DTensor's own placements. torch's own ``DistributedDataParallel`` is unwrapped
-like mpidist's. ``mpidist inspect --verify``,
-``h5ls`` and ``mpidist export`` read these files like any other mpidist checkpoint.
+The file holds ``params/<name>``, ``buffers/<name>`` (persistent buffers) and
+``optimizer/<key>/<name>`` (per-parameter state: ``exp_avg``, the 0-d ``step``, ...) with
+their global shapes, named as in the unwrapped module, and the attributes ``step``,
+``wrapper``, ``world_size`` and ``optimizer`` (class, groups' hyperparameters and parameter
+names, non-tensor state). Each rank writes and reads only its part: its ``fully_shard``
+rows, its ``ZeroRedundancyOptimizer`` partition, an even share of replicated tensors, or
+the rows of a DTensor redistributed so that every mesh dimension shards dimension 0 (one
+contiguous range per rank; a range several ranks hold is written by the first).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,19 +30,16 @@ from mpidist.torch.zero import ZeroRedundancyOptimizer
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
+@dataclass
 class _Entry:
     """One local tensor of the checkpoint and the part of the global tensor it holds."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
-                 flat: slice | None, layout: _Rows | None = None,
-                 target: Any = None) -> None:
-        self.name = name
-        self.tensor = tensor
-        self.shape = shape        # global shape
-        self.flat = flat          # this rank's elements of the global tensor; None: all
-        self.layout = layout      # a DTensor's: how its rows come and go
-        # the tensor a load writes: the DTensor itself for a DTensor's rows
-        self.target = tensor if target is None else target
+    name: str
+    tensor: torch.Tensor
+    shape: tuple[int, ...]       # global shape
+    flat: slice | None           # this rank's elements of the global tensor; None: all
+    layout: _Rows | None = None  # a DTensor's: how its rows come and go
+    target: Any = None           # and the DTensor itself, which a load writes
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -78,7 +63,7 @@ class _Rows:
         for dim, c in enumerate(coordinate):
             lo, hi = row_range(stop - start, c, self.mesh.size(dim))
             start, stop = start + lo, start + hi
-        row = int(np.prod(self.shape[1:])) if self.shape else 1
+        row = math.prod(self.shape[1:])
         self.local_shape = (stop - start, *self.shape[1:]) if self.shape else ()
         self.flat = slice(start * row, stop * row)
 
@@ -303,7 +288,7 @@ def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
         loaders.append((e, buf))
     states: dict[torch.Tensor, dict[str, Any]] = {}
     if optimizer is not None:
-        _plan_optimizer(module, optimizer, attrs, infos, requests, loaders, states)
+        _plan_optimizer(module, optimizer, attrs, infos, requests, states)
     extra = sorted(n for n in infos if n.startswith(("params/", "buffers/"))
                    and n not in expected)
     if strict and extra:
@@ -326,37 +311,29 @@ def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
 
 def _plan_optimizer(module: torch.nn.Module, optimizer: Any, attrs: Mapping[str, Any],
                     infos: Mapping[str, Any], requests: list[Any],
-                    loaders: list[tuple[_Entry, torch.Tensor]],
                     states: dict[torch.Tensor, dict[str, Any]]) -> None:
     """Requests for the optimizer state of the parameters this rank's optimizer updates."""
     if "optimizer" not in attrs:
         raise ckpt.CheckpointMismatchError("the checkpoint holds no optimizer state")
     names = _param_names(module, optimizer)
-    local = _local_optimizer(optimizer)
-    for group in local.param_groups:
+    saved: dict[str, list[tuple[str, str, Any]]] = {}  # parameter name -> its state tensors
+    for key_name, tinfo in infos.items():
+        kind, *rest = key_name.split("/", 2)
+        if kind == "optimizer" and len(rest) == 2:
+            saved.setdefault(rest[1], []).append((rest[0], key_name, tinfo))
+    for group in _local_optimizer(optimizer).param_groups:
         for p in group["params"]:
-            name = names[p]
-            info = getattr(p, "_mpidist_shard", None)
-            layout = _Rows(p) if _is_dtensor(p) else None
             state: dict[str, Any] = {}
-            for key_name, tinfo in infos.items():
-                if not key_name.startswith("optimizer/") or not key_name.endswith("/" + name):
-                    continue
-                key = key_name[len("optimizer/"):-len(name) - 1]
-                if "/" in key:
-                    continue
+            for key, key_name, tinfo in saved.get(names[p], []):
                 dtype = getattr(torch, np.dtype(tinfo.dtype).name)
                 if tuple(tinfo.shape) == ():
-                    t = torch.empty((), dtype=dtype)
-                    flat = slice(0, 1)
-                elif layout is not None:
-                    t = torch.empty(layout.local_shape, dtype=dtype)
-                    flat = layout.flat
-                else:
-                    t = torch.empty(p.shape, dtype=dtype)
-                    flat = info.flat if info is not None else slice(0, t.numel())
+                    t, flat, layout = torch.empty((), dtype=dtype), slice(0, 1), None
+                else:  # laid out as the parameter
+                    e = _entry(key_name, p, getattr(p, "_mpidist_shard", None), values=False)
+                    t = torch.empty(e.tensor.shape, dtype=dtype)
+                    flat, layout = e.flat or slice(0, t.numel()), e.layout
                 requests.append(ckpt.Piece(key_name, flat, t.view(-1).numpy()))
-                state[key] = (layout, t) if layout is not None and t.dim() else t
+                state[key] = t if layout is None else (layout, t)
             if state:
                 states[p] = state
 
