@@ -9,6 +9,7 @@ rank sums its own pieces and one integer Allreduce gives the tensor's checksum.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -269,46 +270,25 @@ def _bits(data: np.ndarray) -> np.ndarray:
 
 
 _LITTLE = np.little_endian
-_kernel: Any = None
 
 
-def _numpy_sums(bits: np.ndarray, first: int) -> tuple[int, int]:
-    """Reference implementation (and fallback without Numba); blocks bound the temporaries."""
-    s1 = np.uint64(0)
-    s2 = np.uint64(0)
-    step = 1 << 20
-    with np.errstate(over="ignore"):
-        for k in range(0, bits.shape[0], step):
-            b = bits[k:k + step].astype(np.uint64)
-            w = np.arange(first + k + 1, first + k + 1 + b.shape[0], dtype=np.uint64)
-            s1 += b.sum(dtype=np.uint64)
-            s2 += (w * b).sum(dtype=np.uint64)
-    return int(s1), int(s2)
+@functools.cache
+def _kernel() -> Any:
+    import numba
 
+    @numba.njit(cache=True, nogil=True)
+    def sums(bits, w):  # pragma: no cover - compiled
+        s1 = np.uint64(0)
+        s2 = np.uint64(0)
+        one = np.uint64(1)
+        for k in range(bits.shape[0]):
+            x = np.uint64(bits[k])
+            s1 += x
+            s2 += w * x
+            w += one
+        return s1, s2
 
-def _get_kernel() -> Any:
-    global _kernel
-    if _kernel is None:
-        try:
-            import numba
-        except ImportError:  # numba is a dependency, but keep the reader usable without it
-            _kernel = False
-            return _kernel
-
-        @numba.njit(cache=True, nogil=True)
-        def sums(bits, w):  # pragma: no cover - compiled
-            s1 = np.uint64(0)
-            s2 = np.uint64(0)
-            one = np.uint64(1)
-            for k in range(bits.shape[0]):
-                x = np.uint64(bits[k])
-                s1 += x
-                s2 += w * x
-                w += one
-            return s1, s2
-
-        _kernel = sums
-    return _kernel
+    return sums
 
 
 def checksum_update(sums: tuple[int, int], data: np.ndarray, start: int) -> tuple[int, int]:
@@ -316,14 +296,9 @@ def checksum_update(sums: tuple[int, int], data: np.ndarray, start: int) -> tupl
     bits = _bits(data)
     if bits.shape[0] == 0:
         return sums
-    kernel = _get_kernel()
-    if kernel:
-        s1, s2 = kernel(bits, np.uint64(start + 1))
-        s1, s2 = int(s1), int(s2)
-    else:
-        s1, s2 = _numpy_sums(bits, start)
+    s1, s2 = _kernel()(bits, np.uint64(start + 1))
     mask = (1 << 64) - 1
-    return (sums[0] + s1) & mask, (sums[1] + s2) & mask
+    return (sums[0] + int(s1)) & mask, (sums[1] + int(s2)) & mask
 
 
 def checksum(data: np.ndarray, start: int = 0) -> tuple[int, int]:

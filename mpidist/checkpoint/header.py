@@ -21,7 +21,7 @@ from mpidist.checkpoint.format import (
 )
 from mpidist.checkpoint.storage import ATTR_S1_B, ATTR_S2_B, dataset_dtype
 
-__all__ = ["attr_str", "open_error", "raw_offset", "read_header", "read_header_offsets",
+__all__ = ["attr_str", "open_h5", "raw_offset", "read_header", "read_header_offsets",
            "read_metadata", "scalar_attr"]
 
 
@@ -31,13 +31,17 @@ def attr_str(value: Any) -> Any:
     return value
 
 
-def open_error(path: str, exc: BaseException) -> CheckpointError:
-    if isinstance(exc, FileNotFoundError) or not os.path.exists(path):
-        return CheckpointError(f"checkpoint {path!r} does not exist")
-    return CorruptCheckpointError(
-        f"checkpoint {path!r} cannot be read as HDF5 (truncated or corrupted file?): "
-        f"{describe_error(exc)}"
-    )
+def open_h5(path: str) -> Any:
+    """``h5py.File(path, "r")``; CheckpointError when ``path`` does not exist,
+    CorruptCheckpointError when it is not readable HDF5."""
+    try:
+        return h5py_module().File(path, "r")
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, FileNotFoundError) or not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {path!r} does not exist") from None
+        raise CorruptCheckpointError(
+            f"checkpoint {path!r} cannot be read as HDF5 (truncated or corrupted file?): "
+            f"{describe_error(exc)}") from None
 
 
 def read_header(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo],
@@ -90,10 +94,7 @@ def read_header_offsets(path: str) -> tuple[dict[str, Any], dict[str, TensorInfo
                                              dict[str, tuple[int, int]], np.ndarray]:
     """:func:`read_header` plus each tensor's :func:`raw_offset` (int64, sorted names)."""
     h5py = h5py_module()
-    try:
-        f = h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        raise open_error(path, exc) from None
+    f = open_h5(path)
     try:
         with f:
             fmt = attr_str(f.attrs.get("format"))

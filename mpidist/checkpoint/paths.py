@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import secrets
-from typing import Any
 
 import numpy as np
 
@@ -15,8 +14,8 @@ from mpidist.checkpoint.agreement import fsync_path, h5py_module
 from mpidist.checkpoint.format import FORMAT_NAME
 from mpidist.checkpoint.header import attr_str
 
-__all__ = ["LATEST", "TMP_RE", "checkpoint_path", "latest_checkpoint", "list_checkpoints",
-           "read_root_quick", "retain", "write_atomic", "write_latest"]
+__all__ = ["LATEST", "TMP_RE", "checkpoint_path", "checkpoint_step", "latest_checkpoint",
+           "list_checkpoints", "retain", "write_atomic", "write_latest"]
 
 LATEST = "latest"
 TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
@@ -29,14 +28,14 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> str:
     return os.path.join(os.fspath(directory), f"ckpt-{int(step):08d}.h5")
 
 
-def read_root_quick(path: str) -> dict[str, Any] | None:
-    """Root attributes of an mpidist checkpoint, or None for anything else."""
-    h5py = h5py_module()
+def checkpoint_step(path: str) -> int | None:
+    """The ``step`` attribute of an mpidist checkpoint (-1 if none), or None for any other
+    file. Not collective."""
     try:
-        with h5py.File(path, "r") as f:
+        with h5py_module().File(path, "r") as f:
             if attr_str(f.attrs.get("format")) != FORMAT_NAME:
                 return None
-            return {"step": int(f.attrs.get("step", -1))}
+            return int(f.attrs.get("step", -1))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
@@ -56,10 +55,9 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[str]:
     for entry in entries:
         if entry.name.startswith(".") or not entry.name.endswith(".h5") or not entry.is_file():
             continue
-        root = read_root_quick(entry.path)
-        if root is None:
-            continue
-        found.append((root["step"], entry.stat().st_mtime_ns, entry.name, entry.path))
+        step = checkpoint_step(entry.path)
+        if step is not None:
+            found.append((step, entry.stat().st_mtime_ns, entry.name, entry.path))
     return [p for *_, p in sorted(found)]
 
 

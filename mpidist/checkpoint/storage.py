@@ -121,7 +121,7 @@ def create_layout(f: Any, names: Sequence[str], infos: Mapping[str, TensorInfo],
     ``names`` order; -1 for an empty tensor, which has no storage).
     """
     h5py = h5py_module()
-    h5a, h5d, h5p, h5s, h5t = h5py.h5a, h5py.h5d, h5py.h5p, h5py.h5s, h5py.h5t
+    h5d, h5p, h5s, h5t = h5py.h5d, h5py.h5p, h5py.h5s, h5py.h5t
     for key in sorted(root):
         f.attrs[key] = root[key]
     for g in group_paths(names):
@@ -150,10 +150,7 @@ def create_layout(f: Any, names: Sequence[str], infos: Mapping[str, TensorInfo],
             types[info.dtype] = h5t.py_create(dataset_dtype(info.dtype), logical=True)
         space = h5s.create_simple(info.shape) if info.shape else scalar
         dsid = h5d.create(f.id, name.encode("utf-8"), types[info.dtype], space, dcpl=dcpl)
-        for key, value in ((ATTR_S1_B, sums[t, 0]), (ATTR_S2_B, sums[t, 1])):
-            aid = h5a.create(dsid, key, u64, scalar)
-            aid.write(np.array(value, dtype="<u8"))
-            aid.close()
+        _write_sums(dsid, sums[t], (u64, scalar))
         offset = dsid.get_offset()
         if offset is not None and info.numel:
             offsets[t] = offset
@@ -171,17 +168,23 @@ def patch_sums(path: str, names: Sequence[str], sums: np.ndarray) -> None:
     """Overwrite the checksum attributes :func:`create_layout` made as zeros (same size,
     so HDF5 rewrites them in place)."""
     h5py = h5py_module()
-    h5a, h5d = h5py.h5a, h5py.h5d
     with h5py.File(path, "r+") as f:
         for t, name in enumerate(names):
-            dsid = h5d.open(f.id, name.encode("utf-8"))
+            dsid = h5py.h5d.open(f.id, name.encode("utf-8"))
             try:
-                for key, value in ((ATTR_S1_B, sums[t, 0]), (ATTR_S2_B, sums[t, 1])):
-                    aid = h5a.open(dsid, key)
-                    aid.write(np.array(value, dtype="<u8"))
-                    aid.close()
+                _write_sums(dsid, sums[t])
             finally:
                 dsid.close()
+
+
+def _write_sums(dsid: Any, row: np.ndarray, create: tuple[Any, Any] | None = None) -> None:
+    """The checksum attributes of a dataset: created (with ``(type, space)``) or
+    overwritten in place."""
+    h5a = h5py_module().h5a
+    for key, value in zip((ATTR_S1_B, ATTR_S2_B), row, strict=True):
+        aid = h5a.create(dsid, key, *create) if create else h5a.open(dsid, key)
+        aid.write(np.array(value, dtype="<u8"))
+        aid.close()
 
 
 @functools.cache

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.checkpoint.agreement import h5py_module
 from mpidist.checkpoint.format import (
     CheckpointError,
     CheckpointMismatchError,
@@ -25,7 +24,7 @@ from mpidist.checkpoint.format import (
     checksum_update,
     compare_tensors,
 )
-from mpidist.checkpoint.header import open_error, read_header
+from mpidist.checkpoint.header import open_h5, read_header
 from mpidist.checkpoint.load import read_tensor
 from mpidist.checkpoint.storage import read_chunks, read_range
 
@@ -46,16 +45,11 @@ def _scan(path: str, *, verify: bool, norms: bool) -> tuple[dict[str, Any],
                                                                dict[str, float], list[str]]:
     """Header, per-tensor L2 norms and the names failing their checksum, in one pass."""
     meta, infos, sums = read_header(path)
-    h5py = h5py_module()
     out_norms: dict[str, float] = {}
     bad: list[str] = []
     if not (verify or norms):
         return meta, infos, out_norms, bad
-    try:
-        f = h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        raise open_error(path, exc) from None
-    with f:
+    with open_h5(path) as f:
         for name, info in infos.items():
             total = 0.0
             s = (0, 0)
@@ -242,8 +236,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float = 
         "rtol": float(rtol),
         "atol": float(atol),
     }
-    h5py = h5py_module()
-    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+    with open_h5(a) as fa, open_h5(b) as fb:
         for name in sorted(set(ia) & set(ib)):
             if ia[name] != ib[name]:
                 result["mismatched"][name] = (f"{ia[name].shape} {ia[name].dtype} vs "
@@ -301,15 +294,10 @@ def diff_found(result: Mapping[str, Any]) -> bool:
 def format_diff(result: Mapping[str, Any]) -> str:
     """Human-readable text of a :func:`diff` result: one line per tensor that differs
     (beyond the tolerance), then :func:`diff_summary`'s line."""
-    lines = []
-    for name, n in result["differ"].items():
-        lines.append(f"{name}: max |a-b| = {result['max_abs_diff'][name]:.6g} "
-                     f"({n} element(s) beyond the tolerance)")
-    for name, why in result["mismatched"].items():
-        lines.append(f"{name}: {why}")
-    for name in result["only_in_a"]:
-        lines.append(f"{name}: only in a")
-    for name in result["only_in_b"]:
-        lines.append(f"{name}: only in b")
+    lines = [f"{name}: max |a-b| = {result['max_abs_diff'][name]:.6g} ({n} element(s) "
+             "beyond the tolerance)" for name, n in result["differ"].items()]
+    lines += [f"{name}: {why}" for name, why in result["mismatched"].items()]
+    lines += [f"{name}: only in a" for name in result["only_in_a"]]
+    lines += [f"{name}: only in b" for name in result["only_in_b"]]
     lines.append(diff_summary(result))
     return "\n".join(lines)
