@@ -79,12 +79,5 @@ class Adagrad(Optimizer):
     def _update(
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
-        fused_adagrad(
-            param,
-            grad,
-            state.buffers["sum"],
-            clr=lr / (1 + (step - 1) * self.lr_decay),
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            grad_scale=-grad_scale if self.maximize else grad_scale,
-        )
+        fused_adagrad(param, grad, state.buffers["sum"], clr=lr / (1 + (step - 1) * self.lr_decay),
+                      eps=self.eps, weight_decay=self.weight_decay, grad_scale=grad_scale)

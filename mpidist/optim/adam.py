@@ -110,21 +110,11 @@ class Adam(Optimizer):
         else:
             l2, decay = self.weight_decay, 1.0
         b = state.buffers
-        fused_adam(
-            param,
-            grad,
-            b["exp_avg"],
-            b["exp_avg_sq"],
-            b["max_exp_avg_sq"] if self.amsgrad else None,
-            step_size=lr / bias_correction1,
-            bias_correction2_sqrt=bias_correction2**0.5,
-            beta1=beta1,
-            beta2=beta2,
-            eps=self.eps,
-            weight_decay=l2,
-            decay=decay,
-            grad_scale=-grad_scale if self.maximize else grad_scale,
-        )
+        fused_adam(param, grad, b["exp_avg"], b["exp_avg_sq"],
+                   b["max_exp_avg_sq"] if self.amsgrad else None,
+                   step_size=lr / bias_correction1, bias_correction2_sqrt=bias_correction2**0.5,
+                   beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=l2, decay=decay,
+                   grad_scale=grad_scale)
 
 
 @dataclass(frozen=True)

@@ -247,14 +247,16 @@ class Optimizer:
         lr_t = self.lr if lr is None else check_real(owner, "lr", lr, low=0.0)
         if not _is_real(grad_scale):
             raise ValueError(f"{owner}: grad_scale={grad_scale!r} must be a real number")
-        names = self.state_names()
-        missing = [k for k in names if k not in state.buffers]
+        missing = [k for k in self.state_names() if k not in state.buffers]
         if missing:
             raise ValueError(f"{owner}: state lacks buffers {missing}; use init_state()")
-        self._update(param, grad, state, float(grad_scale), lr_t, state.step + 1)
+        sign = -1.0 if getattr(self, "maximize", False) else 1.0
+        self._update(param, grad, state, sign * float(grad_scale), lr_t, state.step + 1)
         state.step += 1
 
     def _update(
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
+        """The kernel call of :meth:`update`; ``grad_scale`` is already negated for
+        ``maximize``."""
         raise NotImplementedError

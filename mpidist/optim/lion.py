@@ -77,13 +77,5 @@ class Lion(Optimizer):
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
         beta1, beta2 = self.betas
-        fused_lion(
-            param,
-            grad,
-            state.buffers["exp_avg"],
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            decay=1.0 - lr * self.weight_decay,
-            grad_scale=grad_scale,
-        )
+        fused_lion(param, grad, state.buffers["exp_avg"], lr=lr, beta1=beta1, beta2=beta2,
+                   decay=1.0 - lr * self.weight_decay, grad_scale=grad_scale)

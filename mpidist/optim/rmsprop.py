@@ -105,16 +105,7 @@ class RMSprop(Optimizer):
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
         b = state.buffers
-        fused_rmsprop(
-            param,
-            grad,
-            b["square_avg"],
-            b["grad_avg"] if self.centered else None,
-            b["momentum_buffer"] if self.momentum > 0.0 else None,
-            lr=lr,
-            alpha=self.alpha,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            momentum=self.momentum,
-            grad_scale=-grad_scale if self.maximize else grad_scale,
-        )
+        fused_rmsprop(param, grad, b["square_avg"], b["grad_avg"] if self.centered else None,
+                      b["momentum_buffer"] if self.momentum > 0.0 else None, lr=lr,
+                      alpha=self.alpha, eps=self.eps, weight_decay=self.weight_decay,
+                      momentum=self.momentum, grad_scale=grad_scale)

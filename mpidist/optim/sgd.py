@@ -92,19 +92,10 @@ class SGD(Optimizer):
     def _update(
         self, param: Any, grad: Any, state: OptimizerState, grad_scale: float, lr: float, step: int
     ) -> None:
-        gs = -grad_scale if self.maximize else grad_scale
         if self.momentum == 0.0:
-            fused_sgd(param, grad, lr=lr, weight_decay=self.weight_decay, grad_scale=gs)
+            fused_sgd(param, grad, lr=lr, weight_decay=self.weight_decay, grad_scale=grad_scale)
             return
-        fused_sgd(
-            param,
-            grad,
-            state.buffers["momentum_buffer"],
-            lr=lr,
-            weight_decay=self.weight_decay,
-            momentum=self.momentum,
-            dampening=self.dampening,
-            nesterov=self.nesterov,
-            first=step == 1,
-            grad_scale=gs,
-        )
+        fused_sgd(param, grad, state.buffers["momentum_buffer"], lr=lr,
+                  weight_decay=self.weight_decay, momentum=self.momentum,
+                  dampening=self.dampening, nesterov=self.nesterov, first=step == 1,
+                  grad_scale=grad_scale)

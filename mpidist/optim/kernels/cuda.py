@@ -32,7 +32,6 @@ __all__ = [
     "sum_of_squares",
     "to_device",
     "to_host",
-    "zeros",
 ]
 
 _THREADS = 256
@@ -71,11 +70,6 @@ def _sum_of_squares(x, out):  # pragma: no cover - device code
         cuda.atomic.add(out, 0, partial[0])
 
 
-def _launch(kernel: Any, p: Any, *args: Any) -> None:
-    blocks, threads = _grid(p.shape[0])
-    kernel[blocks, threads](p, *args)
-
-
 def elementwise(element: Callable[..., None], n_args: int) -> Any:
     """The CUDA kernel of an optimizer's element body: a grid-stride loop that calls
     ``element(i, a0, ..., a{n-1})`` for every index ``i`` of its first argument (an array).
@@ -96,7 +90,7 @@ def elementwise(element: Callable[..., None], n_args: int) -> Any:
 def launch(element: Callable[..., None], *args: Any) -> None:
     """Run ``element`` over the elements of ``args[0]`` on the device (asynchronous on
     the default stream)."""
-    _launch(elementwise(element, len(args)), *args)
+    elementwise(element, len(args))[_grid(args[0].shape[0])](*args)
 
 
 def sum_of_squares(x: Any) -> float:
@@ -105,11 +99,6 @@ def sum_of_squares(x: Any) -> float:
     if x.shape[0]:
         _sum_of_squares[_grid(x.shape[0])](x, out)
     return float(out.copy_to_host()[0])
-
-
-def zeros(n: int, dtype: Any) -> Any:
-    """A zero-filled device array of ``n`` elements."""
-    return cuda.to_device(np.zeros(n, dtype=dtype))
 
 
 def full(n: int, value: float, dtype: Any) -> Any:
