@@ -200,7 +200,7 @@ class TextCorpus:
         self.text = text
         self.fingerprint = hashlib.sha256(text).hexdigest()
         data = np.frombuffer(text, dtype=np.uint8)
-        cut = int(math.floor(len(data) * (1.0 - VALIDATION_FRACTION)))
+        self._cut = cut = int(math.floor(len(data) * (1.0 - VALIDATION_FRACTION)))
         self.split_start, self.split_stop = (0, cut) if split == "train" else (cut, len(data))
         self._all = data
         self.tokens = data[self.split_start : self.split_stop]
@@ -238,8 +238,7 @@ class TextCorpus:
         The cross-entropy of the best context-free model: a language model that has learned
         anything beats it on validation data.
         """
-        cut = int(math.floor(len(self._all) * (1.0 - VALIDATION_FRACTION)))
-        counts = np.bincount(self._all[:cut], minlength=VOCAB_SIZE).astype(np.float64)
+        counts = np.bincount(self._all[:self._cut], minlength=VOCAB_SIZE).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 

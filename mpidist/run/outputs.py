@@ -3,6 +3,7 @@ summary. Only the process that is rank 0 now writes (in an elastic job that may 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,13 +41,11 @@ class Progress:
         self.enabled = enabled
         self.total = total
         if enabled:
-            try:
+            with contextlib.suppress(ImportError):
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                                 file=sys.stderr, mininterval=0.5)
-            except ImportError:
-                self.bar = None
 
     def update(self, step: int, loss: float, tok_s: float, workers: int | None = None) -> None:
         """Advance by one step. Not collective."""
