@@ -42,10 +42,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mpidist.parallel.schedules import step_units
+from mpidist.parallel.schedules import peak_in_flight, step_units
 
 #: the schedules the planner models (those the runtime runs)
-PLAN_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 
 __all__ = [
     "PRECISIONS",
@@ -317,28 +317,31 @@ def shape_line(params: float, layers: int, hidden: int, heads: int, seq_len: int
 
 def activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
                      tp: int, pp: int, micro_batches: int, act_bytes: int,
-                     schedule: str = "1f1b", recompute: str = "none") -> float:
+                     schedule: str = "1f1b", recompute: str = "none",
+                     virtual_stages: int = 1) -> float:
     """Activation memory on the busiest device (the first pipeline stage): per layer
     Korthikanti et al.'s ``s b h (10 + 24/t + 5 a s/(h t))`` halves, or with recompute
-    only the layer's input ``s b h``; times the micro-batches in flight (GPipe: all of
-    them; 1F1B and zero-bubble: at most ``pp``)."""
+    only the layer's input ``s b h``; times the micro-batches in flight
+    (:func:`~mpidist.parallel.schedules.peak_in_flight`: GPipe all of them; 1F1B and
+    zero-bubble at most ``pp``; interleaved counts chunks of ``layers / (pp v)`` layers on
+    its orders, ``1 + (pp - 1) / (pp v)`` times 1F1B's for ``m`` a multiple of ``pp``)."""
     s, b, h, a = seq_len, micro_batch, hidden, heads
     if recompute == "blocks":
         per_layer = s * b * h * act_bytes
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * act_bytes / 2
     if pp == 1:
-        in_flight = 1
-    else:
-        in_flight = micro_batches if schedule == "gpipe" else min(pp, micro_batches)
-    return per_layer * (layers / pp) * in_flight
+        return per_layer * layers
+    v = virtual_stages
+    return per_layer * (layers / (pp * v)) * peak_in_flight(schedule, pp, micro_batches, v)
 
 
-def pipeline_compute_factor(schedule: str, recompute: str, pp: int, m: int) -> float:
+def pipeline_compute_factor(schedule: str, recompute: str, pp: int, m: int,
+                            virtual_stages: int = 1) -> float:
     """How much longer a step's compute takes than its work alone: the schedule's bubble
-    (``step_units`` over the ``3m`` units of work) and, with recompute, one more forward
-    (4 units of work for 3). Pure."""
-    factor = step_units(schedule, pp, m) / (3 * m)
+    (``step_units`` over the ``3m`` units of work; interleaved's divided by its virtual
+    stages) and, with recompute, one more forward (4 units of work for 3). Pure."""
+    factor = step_units(schedule, pp, m, virtual_stages) / (3 * m)
     return factor * (4 / 3 if recompute == "blocks" else 1.0)
 
 
@@ -381,7 +384,8 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
          seq_len: int = 2048, micro_batch: int = 1, global_batch: int | None = None,
          cluster: Cluster | None = None, zero_stages: Sequence[int] = (0, 1, 2, 3),
          max_tp: int | None = None, schedules: Sequence[str] = ("1f1b",),
-         recompute: Sequence[str] = ("none",), **cluster_fields: Any) -> list[dict[str, Any]]:
+         recompute: Sequence[str] = ("none",), virtual_stages: Sequence[int] = (2,),
+         **cluster_fields: Any) -> list[dict[str, Any]]:
     """Every (pp, tp, dp, zero_stage) layout of ``devices`` for a model of ``params``
     parameters, with predicted memory and step time; layouts that fit first, fastest first.
 
@@ -399,8 +403,11 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
         max_tp: largest tensor-parallel size (default: devices per node).
         schedules, recompute: the pipeline schedules (where pp > 1) and activation
             checkpointing choices to plan with (see :func:`pipeline_compute_factor`).
+        virtual_stages: the chunks per stage the interleaved schedule is planned with
+            (layouts where ``layers`` does not divide into ``pp`` times them, or the
+            micro-batches are not a multiple of ``pp``, are skipped for it).
 
-    Rows carry ``pp, tp, dp, zero_stage, micro_batches, schedule, recompute,
+    Rows carry ``pp, tp, dp, zero_stage, micro_batches, schedule, virtual_stages, recompute,
     params_per_device,
     model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
     step_time_s, fits``.
@@ -446,39 +453,50 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                 states = psi * bytes_per_parameter(precision, optimizer, z, dp)
                 g_all, p_all = psi * g_bytes, psi * p_bytes
                 dp_comm = zero_sync_time(z, g_all, p_all, m, sync)
-                for sched, rc in _pipeline_choices(pp, schedules, recompute):
-                    act = activation_bytes(**act_args, schedule=sched, recompute=rc)
-                    compute = work * pipeline_compute_factor(sched, rc, pp, m)
-                    total = states + act
-                    rows.append({
-                        "pp": pp, "tp": tp, "dp": dp, "zero_stage": z, "micro_batches": m,
-                        "schedule": sched, "recompute": rc,
-                        "params_per_device": psi,
-                        "model_state_gb": states / GB,
-                        "activation_gb": act / GB,
-                        "total_gb": total / GB,
-                        "compute_s": compute,
-                        "dp_comm_s": dp_comm,
-                        "tp_comm_s": tp_comm,
-                        "pp_comm_s": pp_comm,
-                        "step_time_s": compute + dp_comm + tp_comm + pp_comm,
-                        "fits": total <= cluster.memory_gb * GB,
-                    })
+                for sched, v, rc in _pipeline_choices(pp, schedules, recompute,
+                                                      virtual_stages):
+                    if v > 1 and (layers % (pp * v) or m % pp):
+                        continue  # the interleaved schedule cannot run this layout
+                    act = activation_bytes(**act_args, schedule=sched, recompute=rc,
+                                           virtual_stages=v)
+                    compute = work * pipeline_compute_factor(sched, rc, pp, m, v)
+                    rows.append(_row(
+                        {"pp": pp, "tp": tp, "dp": dp, "zero_stage": z, "micro_batches": m,
+                         "schedule": sched, "virtual_stages": v, "recompute": rc,
+                         "params_per_device": psi}, states=states, act=act, compute=compute,
+                        comm=(dp_comm, tp_comm, pp_comm * v), memory=cluster.memory_gb))
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["total_gb"]))
     return rows
 
 
-def _pipeline_choices(pp: int, schedules: Sequence[str], recompute: Sequence[str]
-                      ) -> list[tuple[str, str]]:
-    """The (schedule, recompute) pairs a layout is planned with; the schedule only matters
-    where there is a pipeline. ValueError naming a bad choice. Pure."""
+def _row(layout: dict[str, Any], *, states: float, act: float, compute: float,
+         comm: tuple[float, float, float], memory: float) -> dict[str, Any]:
+    """A plan row: the layout with its memory and times (``comm``: dp, tp and pp seconds;
+    the pp's already counting an interleaved micro-batch's v times as many hops)."""
+    total = states + act
+    return {**layout, "model_state_gb": states / GB, "activation_gb": act / GB,
+            "total_gb": total / GB, "compute_s": compute, "dp_comm_s": comm[0],
+            "tp_comm_s": comm[1], "pp_comm_s": comm[2],
+            "step_time_s": compute + sum(comm), "fits": total <= memory * GB}
+
+
+def _pipeline_choices(pp: int, schedules: Sequence[str], recompute: Sequence[str],
+                      virtual_stages: Sequence[int] = (2,)) -> list[tuple[str, int, str]]:
+    """The (schedule, virtual stages, recompute) a layout is planned with; the schedule only
+    matters where there is a pipeline, the virtual stages only for the interleaved one.
+    ValueError naming a bad choice. Pure."""
     for sched in schedules:
         if sched not in PLAN_SCHEDULES:
             raise ValueError(f"schedule {sched!r} is not one of {PLAN_SCHEDULES}")
+    for v in virtual_stages:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ValueError(f"virtual stages {v!r} must be an integer >= 2 (the chunks per "
+                             "stage of the interleaved schedule)")
     for rc in recompute:
         if rc not in ("none", "blocks"):
             raise ValueError(f"recompute {rc!r} is not one of ('none', 'blocks')")
-    return [(sched, rc) for sched in (schedules if pp > 1 else ("1f1b",)) for rc in recompute]
+    return [(sched, v, rc) for sched in (schedules if pp > 1 else ("1f1b",))
+            for v in (virtual_stages if sched == "interleaved" else (1,)) for rc in recompute]
 
 
 def zero_sync_time(stage: int, grad_bytes: float, param_bytes: float, micro_batches: int,
@@ -535,7 +553,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
     p.add_argument("--schedules", default="1f1b",
                    help="comma-separated pipeline schedules to consider (gpipe, 1f1b, "
-                        "zero-bubble; default: 1f1b)")
+                        "interleaved, zero-bubble; default: 1f1b)")
+    p.add_argument("--virtual-stages", default="2",
+                   help="comma-separated chunks per stage for --schedules interleaved "
+                        "(default: 2)")
     p.add_argument("--recompute", default="none",
                    help="comma-separated activation checkpointing choices (none, blocks)")
     p.add_argument("--devices-per-node", type=int, default=8,
@@ -559,12 +580,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _ints(text: str, flag: str, example: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in str(text).split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be like {example}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``mpidist plan`` from parsed arguments; prints a table or JSON. Returns 0."""
-    try:
-        stages = tuple(int(s) for s in str(args.zero_stages).split(",") if s.strip())
-    except ValueError:
-        raise ValueError(f"--zero-stages {args.zero_stages!r} must be like 0,1,2,3") from None
+    stages = _ints(args.zero_stages, "--zero-stages", "0,1,2,3")
     cluster = Cluster(devices=args.devices, devices_per_node=args.devices_per_node,
                       memory_gb=args.memory_gb, flops=args.flops, efficiency=args.efficiency,
                       intra_bw=args.intra_bw, intra_latency=args.intra_latency,
@@ -575,7 +600,8 @@ def run(args: argparse.Namespace) -> int:
                 micro_batch=args.micro_batch, global_batch=args.global_batch, cluster=cluster,
                 zero_stages=stages,
                 schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
-                recompute=tuple(x.strip() for x in args.recompute.split(",") if x.strip()))
+                recompute=tuple(x.strip() for x in args.recompute.split(",") if x.strip()),
+                virtual_stages=_ints(args.virtual_stages, "--virtual-stages", "2,4"))
     if not args.all:
         shown = [r for r in rows if r["fits"]]
     else:
@@ -594,16 +620,23 @@ def run(args: argparse.Namespace) -> int:
           f"{args.optimizer}); {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit in "
           f"{args.memory_gb:g} GB")
     print(f"{'pp':>3} {'tp':>3} {'dp':>5} {'zero':>4} {'states GB':>10} {'act GB':>8} "
-          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits  schedule     recompute")
+          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits  schedule        recompute")
     for r in shown[:args.top]:
         comm = r["dp_comm_s"] + r["tp_comm_s"] + r["pp_comm_s"]
         print(f"{r['pp']:>3} {r['tp']:>3} {r['dp']:>5} {r['zero_stage']:>4} "
               f"{r['model_state_gb']:>10.2f} {r['activation_gb']:>8.2f} {r['total_gb']:>9.2f} "
               f"{r['step_time_s']:>9.3f} {comm:>8.3f}  {'yes' if r['fits'] else 'no':<4}  "
-              f"{r['schedule'] if r['pp'] > 1 else '-':<11}  {r['recompute']}")
+              f"{_schedule_cell(r):<14}  {r['recompute']}")
     if not shown:
         print("no layout fits; try more devices, ZeRO-3, a smaller micro-batch, or --all")
     return 0
+
+
+def _schedule_cell(row: dict[str, Any]) -> str:
+    if row["pp"] == 1:
+        return "-"
+    v = row["virtual_stages"]
+    return row["schedule"] + (f" v={v}" if v > 1 else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

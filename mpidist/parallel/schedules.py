@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Simulation", "orders", "simulate", "step_units"]
+__all__ = ["SCHEDULES", "Simulation", "orders", "peak_in_flight", "simulate", "step_units"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 
@@ -92,6 +92,24 @@ def step_units(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule == "interleaved":
         return 3 * (m + (p - 1) / v)
     return 3 * (m + p - 1)
+
+
+def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> int:
+    """The most (micro-batch, chunk) pairs between their forward and their backward on any
+    stage of ``schedule``'s orders (a chunk is ``1/v`` of a stage): GPipe ``m``, 1F1B and
+    ZB-H1 ``min(p, m)`` (their closed forms), interleaved counted on its orders. Pure."""
+    _check(schedule, p, m, v)
+    if schedule == "gpipe":
+        return m
+    if schedule != "interleaved":
+        return min(p, m)
+    peak = 0
+    for order in orders(schedule, p, m, v):
+        live = 0
+        for kind, _, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+    return peak
 
 
 @dataclass

@@ -247,5 +247,40 @@ def test_schedules_and_recompute_in_the_plan():
             assert r["activation_gb"] < key[(pp, tp, dp, z, s, "none")]["activation_gb"]
         if pp == 1:
             assert s == "1f1b"
-    with pytest.raises(ValueError, match="schedule 'interleaved' is not one of"):
-        plan(7.5e9, 64, schedules=("interleaved",))
+    with pytest.raises(ValueError, match="schedule 'zb-v' is not one of"):
+        plan(7.5e9, 64, schedules=("zb-v",))
+
+
+def test_interleaved_in_the_plan():
+    """The interleaved schedule's bubble divided by its virtual stages (the simulator's
+    step), its activations counted on its orders (1 + (p-1)/(p v) times 1F1B's), its
+    messages v times as many; layouts it cannot run skipped."""
+    from mpidist.parallel.plan import activation_bytes, pipeline_compute_factor, plan
+    from mpidist.parallel.schedules import orders, peak_in_flight, simulate, step_units
+
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 4, 4)]:
+        sim = simulate(orders("interleaved", p, m, v), f=1 / v, b=1 / v, w=1 / v)
+        assert step_units("interleaved", p, m, v) == pytest.approx(sim.step)
+    assert pipeline_compute_factor("interleaved", "none", 4, 8, 2) == pytest.approx(9.5 / 8)
+    assert peak_in_flight("interleaved", 4, 8, 2) == 11 and peak_in_flight("1f1b", 4, 8) == 4
+    shape = dict(layers=8, hidden=64, heads=4, seq_len=32, micro_batch=2, tp=1, pp=4,
+                 micro_batches=8, act_bytes=2)
+    assert activation_bytes(**shape, schedule="interleaved", virtual_stages=2) == \
+        pytest.approx((1 + 3 / 8) * activation_bytes(**shape, schedule="1f1b"))
+    rows = plan(7.5e9, 64, layers=32, schedules=("1f1b", "interleaved"),
+                virtual_stages=(2, 4))
+    key = {(r["pp"], r["tp"], r["dp"], r["zero_stage"], r["schedule"], r["virtual_stages"]): r
+           for r in rows}
+    seen = set()
+    for (pp, tp, dp, z, s, v), r in key.items():
+        if s != "interleaved" or pp == 1:
+            continue
+        seen.add(v)
+        assert 32 % (pp * v) == 0 and r["micro_batches"] % pp == 0
+        one = key[(pp, tp, dp, z, "1f1b", 1)]
+        assert r["compute_s"] < one["compute_s"]
+        assert r["activation_gb"] >= one["activation_gb"]
+        assert r["pp_comm_s"] == pytest.approx(v * one["pp_comm_s"])
+    assert seen == {2, 4}
+    with pytest.raises(ValueError, match="virtual stages 1 must be an integer >= 2"):
+        plan(7.5e9, 64, schedules=("interleaved",), virtual_stages=(1,))
