@@ -1,27 +1,17 @@
 """The tensor side of the "mpidist" torch.distributed backend: MPI buffers of torch tensors,
-element types, reductions, Work objects and the watchdog.
+element types, reductions, Work objects and the watchdog (docs/torch.md describes each).
 
-Element types. Data movement (gathers, scatters, broadcasts, all-to-all, point to point)
-carries any dtype bit for bit, as unsigned words of the element's size. Reductions run in MPI
-on float32/float64, the signed and unsigned integers, bool and complex; float16, bfloat16 and
-the float8 types are reduced in float32 (converted once before, rounded once after), so a
-bfloat16 gradient is summed with float32 accumulation.
-
-Reductions. ``SUM``, ``PRODUCT``, ``MIN``, ``MAX`` and the bitwise ops are MPI's own; ``AVG``
-is a sum divided once by the group size (integers: truncated); ``PREMUL_SUM`` multiplies each
-rank's input by its factor before the sum. On bool tensors ``SUM``/``MAX``/``BOR`` are a
-logical or, ``PRODUCT``/``MIN``/``BAND`` a logical and, ``BXOR`` a logical xor.
-
-Watchdog. Each operation is registered with a deadline (its group's timeout) while it runs;
-a daemon thread checks the deadlines every second and, when one has passed, prints the
-operation, its group and how long it has waited, then ends the whole job with
-``MPI_Abort`` (an MPI call cannot be interrupted, and a job whose ranks disagree on the order
-of collectives never recovers). ``Work.wait(timeout)`` with an explicit timeout raises
-instead, for the operation it waits on.
+Data movement carries any dtype bit for bit, as unsigned words of the element's size.
+Reductions run in MPI on the types MPI has; float16, bfloat16 and float8 are reduced in
+float32. ``AVG`` is a sum divided once by the group size; ``PREMUL_SUM`` scales each
+input first; on bool tensors the ops are logical. The watchdog ends the job with
+``MPI_Abort`` when an operation outlives its group's timeout (an MPI call cannot be
+interrupted); ``Work.wait(timeout)`` with an explicit timeout raises instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import sys
 import threading
@@ -41,7 +31,6 @@ __all__ = [
     "Reduction",
     "Work",
     "as_host",
-    "mpi_type",
     "reduction",
     "spec",
     "watch",
@@ -65,7 +54,9 @@ for _name, _mpi_name in (("uint16", "UINT16_T"), ("uint32", "UINT32_T"), ("uint6
 _UPCAST = {torch.float16, torch.bfloat16} | {
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                 "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)}
-_WORDS = {1: "UINT8_T", 2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}
+# element size -> the torch dtype and MPI datatype of the words that carry it bit for bit
+_WORDS = {1: (torch.uint8, "UINT8_T"), 2: (torch.int16, "UINT16_T"),
+          4: (torch.int32, "UINT32_T"), 8: (torch.int64, "UINT64_T")}
 
 _MPI_OPS = {
     RedOpType.SUM: "SUM", RedOpType.AVG: "SUM", RedOpType.PREMUL_SUM: "SUM",
@@ -87,34 +78,24 @@ _PLAIN_TYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
 _ORDERED = {RedOpType.MIN, RedOpType.MAX}
 
 
-def mpi_type(dtype: torch.dtype) -> Any:
-    """The MPI datatype that reduces ``dtype`` (None for dtypes MPI cannot reduce)."""
-    name = _REDUCE_TYPES.get(dtype)
-    return None if name is None else getattr(mpi(), name)
-
-
-_WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _word_size(size: int) -> int:
+    """Bytes of the words that carry elements of ``size`` bytes (8 for larger multiples of
+    8, else 1)."""
+    return size if size in _WORDS else 8 if size % 8 == 0 else 1
 
 
 def words_array(t: torch.Tensor) -> Any:
     """A NumPy view of a contiguous CPU tensor's bytes as integer words of its element size
     (8-byte words for larger elements): what mpidist.core.collectives moves bit for bit."""
+    word = _WORDS[_word_size(t.element_size())][0]
     flat = t.detach().reshape(-1)
-    size = t.element_size()
-    word = _WORD_TYPES.get(size, torch.int64 if size % 8 == 0 else torch.uint8)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=word).numpy()
-    return flat.view(word).numpy()
+    return flat.view(word).numpy() if flat.numel() else torch.empty(0, dtype=word).numpy()
 
 
 def words(dtype: torch.dtype) -> tuple[Any, int]:
     """(MPI datatype, words per element) that carry ``dtype`` bit for bit."""
-    size = dtype.itemsize
-    if size in _WORDS:
-        return getattr(mpi(), _WORDS[size]), 1
-    if size % 8 == 0:
-        return mpi().UINT64_T, size // 8
-    return mpi().UINT8_T, size
+    size = _word_size(dtype.itemsize)
+    return getattr(mpi(), _WORDS[size][1]), dtype.itemsize // size
 
 
 # -- tensors as MPI buffers -----------------------------------------------------------------
@@ -172,10 +153,7 @@ def counts_spec(t: torch.Tensor, counts: Sequence[int]) -> list[Any]:
     contiguous CPU tensor split into pieces of ``counts`` elements."""
     word, per = words(t.dtype)
     sizes = [c * per for c in counts]
-    displs = [0] * len(sizes)
-    for i in range(1, len(sizes)):
-        displs[i] = displs[i - 1] + sizes[i - 1]
-    return [_memory(t), (sizes, displs), word]
+    return [_memory(t), (sizes, [0, *itertools.accumulate(sizes)][:-1]), word]
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -209,9 +187,9 @@ class Reduction:
                 raise ValueError(f"{what}: ReduceOp.{name} is not defined on {dtype}")
             self.op_name = _MPI_OPS[kind]
         self.wire = torch.float32 if dtype in _UPCAST else dtype
-        self.datatype = mpi_type(self.wire)
-        if self.datatype is None:
+        if self.wire not in _REDUCE_TYPES:
             raise ValueError(f"{what}: the mpidist backend cannot reduce {dtype} tensors")
+        self.datatype = getattr(mpi(), _REDUCE_TYPES[self.wire])
         self.avg = kind == RedOpType.AVG
         # the op mpidist.core.collectives runs for this reduction (None: MPI's own op, here)
         self.plain = _PLAIN_OPS.get(kind) if self.wire in _PLAIN_TYPES else None
@@ -386,7 +364,7 @@ class Work(dist.Work):
         self._keep = keep
         self._what = what
         self._timeout = timeout
-        self._status: Any = None
+        self._statuses = [mpi().Status() for _ in self._requests]
         self._source = -1
         self._future: torch.futures.Future | None = None
         # pending: run by a communication thread, which calls _ran() when done
@@ -403,11 +381,8 @@ class Work(dist.Work):
             self._error = error
             self._done = True
             future = self._future
-        if future is not None and not future.done():
-            if error is None:
-                future.set_result(self._result)
-            else:
-                future.set_exception(error)
+        if future is not None:
+            self._settle(future)
         if self._event is not None:
             self._event.set()
 
@@ -417,10 +392,17 @@ class Work(dist.Work):
             finish, self._finish = self._finish, None
             finish()
         self._keep = ()
-        if self._status is not None:
-            self._source = self._status.Get_source()
-        if self._future is not None and not self._future.done():
-            self._future.set_result(self._result)
+        if self._statuses:
+            self._source = self._statuses[0].Get_source()
+        if self._future is not None:
+            self._settle(self._future)
+
+    def _settle(self, future: torch.futures.Future) -> None:
+        if not future.done():
+            if self._error is None:
+                future.set_result(self._result)
+            else:
+                future.set_exception(self._error)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Complete the operation. With a positive ``timeout``: RuntimeError when it has not
@@ -439,21 +421,12 @@ class Work(dist.Work):
                 raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
             return True
         with watch(self._what, self._timeout):
-            if len(self._requests) == 1:
-                self._status = mpi().Status()
-                self._requests[0].Wait(self._status)
-            else:
-                mpi().Request.Waitall(self._requests)
+            mpi().Request.Waitall(self._requests, self._statuses)
         self._complete()
         return True
 
     def _test(self) -> bool:
-        if len(self._requests) == 1:
-            status = mpi().Status()
-            if not self._requests[0].Test(status):
-                return False
-            self._status = status
-        elif not mpi().Request.Testall(self._requests):
+        if not mpi().Request.Testall(self._requests, self._statuses):
             return False
         self._complete()
         return True
@@ -498,11 +471,7 @@ class Work(dist.Work):
             return future
         if not self._done:
             self.wait()
-        if not future.done():
-            if self._error is None:
-                future.set_result(self._result)
-            else:
-                future.set_exception(self._error)
+        self._settle(future)
         return future
 
     def source_rank(self) -> int:

@@ -1,11 +1,8 @@
 """The process group of the "mpidist" backend: each torch.distributed operation as MPI calls
-on the group's own communicators (see :mod:`mpidist.torch.backend` for the whole picture).
-Sums, minima and maxima of the types mpidist.core.collectives reduces, all-gathers and broadcasts
-are mpidist.core.collectives' calls (two levels across nodes); the rest are MPI's own.
-
-Argument conventions are those of torch's ``ProcessGroup`` methods, which torch's Python
-API and its C++ callers (DDP's reducer, functional collectives) invoke: lists of tensors and
-an options object. Every check that could fail runs before anything is communicated.
+on the group's own communicators (:mod:`mpidist.torch.backend` has the whole picture), with
+the argument conventions of torch's ``ProcessGroup`` methods. Sums, minima, maxima,
+all-gathers and broadcasts are mpidist.core.collectives' calls (two levels across nodes);
+every check that could fail runs before anything is communicated.
 """
 
 from __future__ import annotations
@@ -144,11 +141,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
         return BACKEND
 
-    def name(self) -> str:
-        return BACKEND
-
-    def _get_backend_name(self) -> str:
-        return BACKEND
+    name = _get_backend_name = getBackendName
 
     @property
     def group_name(self) -> str:
