@@ -88,12 +88,6 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _synchronize() -> None:
-    from numba import cuda
-
-    cuda.synchronize()
-
-
 def stage(a: Any, *, read: bool = True) -> tuple[Any, Callable[[Any], None] | None]:
     """The buffer MPI uses for ``a`` and a function that copies a result in it back to
     ``a`` (None when nothing is to be copied). Host arrays are used as they are; a device
@@ -102,12 +96,12 @@ def stage(a: Any, *, read: bool = True) -> tuple[Any, Callable[[Any], None] | No
     filled)."""
     if not is_device(a):
         return a, None
-    d = view(a)
-    if cuda_aware():
-        _synchronize()
-        return d, None
     from numba import cuda
 
+    d = view(a)
+    if cuda_aware():
+        cuda.synchronize()
+        return d, None
     host = cuda.pinned_array(d.shape, dtype=d.dtype)
     if read:
         d.copy_to_host(host)

@@ -13,6 +13,7 @@ placed ranks in blocks, mesh ranks equal the ranks of the given communicator.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -258,10 +259,7 @@ class ProcessMesh:
 
     def group_size(self, dims: str | Iterable[str]) -> int:
         """Size of the group along ``dims``; pure arithmetic, no communication."""
-        n = 1
-        for d in _dims_key(dims):
-            n *= self.shape[d]
-        return n
+        return math.prod(self.shape[d] for d in _dims_key(dims))
 
     def group_rank(self, dims: str | Iterable[str]) -> int:
         """This rank's index in its group along ``dims``; pure arithmetic."""

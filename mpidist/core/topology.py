@@ -19,12 +19,8 @@ Two-level (hierarchical) collectives, on a group spread over N nodes with L rank
 * allgather: the reverse (allgather across the nodes, then inside the node, then the
   blocks back in group order).
 
-Each node sends and receives the inter-node minimum (``(N-1)/N`` of the data for
-reduce-scatter and allgather, twice that for allreduce), spread over all its ranks.
-Integer sums, max and min equal the flat collectives' exactly; float sums are added in
-another order (within each node first), so they equal the flat result to round-off
-(a few ulps), and are identical on every rank. Groups whose nodes hold different numbers
-of ranks use the flat collectives.
+Each node sends and receives the inter-node minimum, spread over all its ranks. When they
+apply, the settings and how results compare with the flat collectives: the user guide.
 
 The stage functions below are generators that start MPI requests and yield them; the caller
 (:class:`mpidist.core.collectives.Request`) waits for each list before resuming the generator.
@@ -237,8 +233,7 @@ def set_node_map(comm: Any, nodes: Sequence[int] | NodeMap) -> Topology:
             f"a node map of {len(nm.nodes)} ranks does not fit a group of {comm.Get_size()}"
         )
     kv = _keyval()
-    old = comm.Get_attr(kv)
-    if old is not None:
+    if comm.Get_attr(kv) is not None:
         comm.Delete_attr(kv)
     topo = Topology(comm, nm)
     comm.Set_attr(kv, topo)

@@ -184,7 +184,6 @@ def causal_softmax_backward(p: Any, dp: Any, scale: float) -> None:
     dp -= dot
     dp *= p
     dp *= scale
-    return None
 
 
 def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
@@ -202,7 +201,6 @@ def causal_softmax_recompute(s: Any, lse: Any, scale: float) -> None:
     s *= scale
     s -= lse[..., None]
     np.exp(s, out=s)
-    return None
 
 
 # -- causal attention (one kernel per direction) -------------------------------------------
@@ -481,7 +479,6 @@ def embedding_backward(g: Any, ids: Any, dy: Any) -> None:
                                 _cpu.chunks(g.shape[1]))
         return None
     np.add.at(g, ids, dy)
-    return None
 
 
 def warm_up() -> None:

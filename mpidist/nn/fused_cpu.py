@@ -6,12 +6,9 @@ the bias add folded in (and its backward, which can recompute the output), cross
 with its log-softmax, and the embedding's scatter-add. Rows are independent, so the outer
 loop is a ``prange``; per-column sums (the LayerNorm parameter gradients) go to one partial
 row per chunk of rows, added up at the end in a fixed order, so a result does not depend on
-the threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``.
-The serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
-thread: every parallel launch must wake the pool's threads, and next to NumPy's BLAS threads
-(a second pool) that cost more than it saved wherever the cores were shared (with 2 threads
-on 2 busy cores a GPT step took 1.6x as long with parallel kernels as with serial ones).
-Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
+the threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``;
+the serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
+thread (why: docs/performance.md). Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
 memory they use is visible to the caller.
 
 In float32, ``exp`` (softmax, cross-entropy, and GELU, computed as ``v sigmoid(2 z)`` rather
@@ -148,10 +145,9 @@ class _Kernel:
         self.parallel = njit(parallel=True, **opts)(par)
 
     def __call__(self, *args: Any) -> Any:
-        if FORCE_PARALLEL is None:
+        use_parallel = FORCE_PARALLEL
+        if use_parallel is None:
             use_parallel = PARALLEL and numba.get_num_threads() > 1
-        else:
-            use_parallel = FORCE_PARALLEL
         return (self.parallel if use_parallel else self.serial)(*args)
 
 

@@ -43,8 +43,7 @@ def _grid(n: int) -> tuple[int, int]:
     return max(1, min(4096, (n + _THREADS - 1) // _THREADS)), _THREADS
 
 
-def _dev(x: Any) -> Any:
-    return K.as_device_array(x)
+_dev = K.as_device_array
 
 
 # -- causal softmax -------------------------------------------------------------------------

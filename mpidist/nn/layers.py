@@ -210,9 +210,7 @@ class Embedding(Module):
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> None:
         ids = self._take(ctx)
         self._check_output_grad(ids, dy)
-        F.embedding_backward(self.grad("weight"), ids.reshape(-1),
-                             dy.reshape(-1, self.embedding_dim))
-        return None
+        self._accumulate(ids, dy)
 
     def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> None:
         """No input gradient (ids have none): keeps the ids and ``dy`` for
@@ -223,7 +221,9 @@ class Embedding(Module):
         return None
 
     def backward_weight(self, ctx: Hashable = None) -> None:
-        ids, dy = self._take_deferred(ctx)
+        self._accumulate(*self._take_deferred(ctx))
+
+    def _accumulate(self, ids: np.ndarray, dy: np.ndarray) -> None:
         F.embedding_backward(self.grad("weight"), ids.reshape(-1),
                              dy.reshape(-1, self.embedding_dim))
 

@@ -173,11 +173,8 @@ class LMHead(Module):
         return matmul_rows(x, w.T)
 
     def backward(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = self._take(ctx)
-        w = self.param("weight")
-        add_transposed_product(self.grad("weight"), dy.reshape(-1, self.vocab_size),
-                               x.reshape(-1, self.n_embd))
-        return matmul_rows(dy, w)
+        self._accumulate(self._take(ctx), dy)
+        return matmul_rows(dy, self.param("weight"))
 
     def backward_input(self, dy: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         """``dy @ weight``; keeps the input and ``dy`` for :meth:`backward_weight`."""
@@ -187,7 +184,9 @@ class LMHead(Module):
         return dx
 
     def backward_weight(self, ctx: Hashable = None) -> None:
-        x, dy = self._take_deferred(ctx)
+        self._accumulate(*self._take_deferred(ctx))
+
+    def _accumulate(self, x: np.ndarray, dy: np.ndarray) -> None:
         add_transposed_product(self.grad("weight"), dy.reshape(-1, self.vocab_size),
                                x.reshape(-1, self.n_embd))
 
