@@ -1,39 +1,12 @@
 """The "mpidist" torch.distributed backend: torch's own parallel stack over MPI.
 
-``import mpidist.torch`` registers it (devices cpu and cuda). Then, under ``mpiexec``,
-``mpirun`` or ``srun --mpi=pmix``::
-
-    import mpidist.torch
-    import torch.distributed as dist
-    dist.init_process_group("mpidist")      # rank and size from MPI; no MASTER_ADDR, RANK...
-
-and torch's DDP, FSDP2 (``fully_shard``), DTensor tensor parallelism on a DeviceMesh,
-``torch.distributed.pipelining`` and ``torch.distributed.checkpoint`` run their
-communication as MPI calls. The rendezvous is :mod:`mpidist.torch.rendezvous`; the tensor
-side (element types, reductions, Work, watchdog) is :mod:`mpidist.torch.ops`.
-
-Groups. The default group runs on a duplicate of ``MPI.COMM_WORLD`` (or of the communicator
-given to :func:`mpidist.torch.distributed.init_process_group`); every group made by
-``new_group``, ``new_subgroups`` or a DeviceMesh runs on a communicator of exactly its
-members, built by them alone (``MPI_Comm_create_group``), and freed when torch destroys the
-group. Each group also holds a second communicator for calls made from threads other than the
-one that created it (``torch.distributed.checkpoint.async_save`` saves from a thread while
-training goes on), so the two streams of collectives never interleave; at most one such
-thread at a time may use a group.
-
-Completion. Collectives complete before the call returns: ``async_op=True`` gives a Work that
-is already complete. Point-to-point operations are nonblocking (``MPI_Isend``/``MPI_Irecv``);
-their Work completes in ``wait()``. The group's ``timeout`` is the longest an operation may
-take before the job is ended (see :mod:`mpidist.torch.ops`).
-
-Mixed backends. In ``"cpu:mpidist,cuda:nccl"`` (or any mix) the tensors of a device that
-another backend serves are handed to that backend, which is created on first use.
-
-Errors. An unsupported operation, ReduceOp or dtype is a ValueError naming it, raised before
-anything is communicated; with ``MPIDIST_DEBUG=1`` every collective first checks that all
-ranks of the group call the same operation with the same dtypes and shapes; an exception
-that ends one rank's script ends the whole job (``MPI_Abort``) instead of leaving the others
-waiting.
+``import mpidist.torch`` registers it (devices cpu and cuda); then under ``mpiexec``,
+``mpirun`` or ``srun --mpi=pmix``, ``torch.distributed.init_process_group("mpidist")`` needs
+no rendezvous variables, and torch's DDP, FSDP2, tensor and pipeline parallelism and
+distributed checkpoints communicate through MPI. docs/torch.md describes the groups (one
+communicator of exactly their members each, and a second one for calls from other threads),
+completion, mixed backends and errors. The rendezvous is :mod:`mpidist.torch.rendezvous`,
+the operations :mod:`mpidist.torch.process_group`, the tensor side :mod:`mpidist.torch.ops`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``torch.distributed`` with MPI underneath: a thin layer over torch's own module.
 
-``import mpidist.torch.distributed as dist`` in place of ``import torch.distributed as dist``
-keeps a script working under ``mpiexec`` or ``srun`` with no rendezvous variables. Every name
-of ``torch.distributed`` is available here and is torch's own (``dist.all_gather``,
-``dist.new_group``, ``dist.ReduceOp``, ...); what this module adds or changes:
-
-- :func:`init_process_group` starts torch's default group on the "mpidist" backend (any other
-  backend name given is replaced by it: this module has always run on MPI), over
-  ``MPI.COMM_WORLD`` or the mpi4py communicator given as ``comm=``;
-- :func:`get_comm` returns that communicator;
-- ``group=`` may also be an mpi4py communicator in :func:`get_rank`, :func:`get_world_size`,
-  :func:`barrier`, :func:`all_reduce` and :func:`broadcast` (the default group's communicator
-  means the default group; another one runs the operation on it directly with MPI);
-- ``op=`` also takes the names "sum", "avg", "max", "min".
+Every name of ``torch.distributed`` is available here and is torch's own; what this module
+adds or changes (docs/torch.md): :func:`init_process_group` runs on the "mpidist" backend
+over ``MPI.COMM_WORLD`` or ``comm=``, :func:`get_comm` returns that communicator, ``group=``
+may be an mpi4py communicator in :func:`get_rank`, :func:`get_world_size`, :func:`barrier`,
+:func:`all_reduce` and :func:`broadcast`, and ``op=`` also takes "sum", "avg", "max", "min".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Mixed backends: a group made with ``"cpu:mpidist,cuda:nccl"`` (or any mix) hands the
-tensors of a device that another backend serves to that backend, created on first use.
-
-torch stops building backends once a Python ProcessGroup is returned for one device, so the
-"mpidist" group builds the others itself: :func:`parse_config` reads the group's backend
-string, :func:`make_backend` creates torch's backend for a device, and :func:`handoff`
-decorates each operation so that such tensors go there.
+"""Mixed backends (``"cpu:mpidist,cuda:nccl"``): the tensors of a device that another backend
+serves go to that backend, created on first use. torch stops building backends once a
+Python ProcessGroup is returned for one device, so the "mpidist" group builds the others.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """torch optimizers whose update is one of mpidist's fused kernels.
 
-``Adam``, ``AdamW`` and ``SGD`` are ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (their
-constructors, checks, parameter groups, ``state_dict``/``load_state_dict`` and state layout
-are torch's own, so state dicts move between the two freely); only ``step`` differs: each
-parameter is updated by ONE pass of mpidist's fused kernel over its elements (Numba ``njit``
-on CPU tensors, ``numba.cuda`` on CUDA tensors, through ``__cuda_array_interface__``) instead
-of torch's sequence of elementwise operations. The results equal torch's to round-off
-(float64: 1e-10 relative, in the tests).
-
-They work wherever a torch optimizer does on local tensors: alone, as the
-``optimizer_class`` of :class:`~mpidist.torch.ZeroRedundancyOptimizer`, on the shards of
-:func:`mpidist.torch.fully_shard`, and on the DTensor parameters of torch's own
-``fully_shard`` or tensor parallelism (each rank updates its local shard; the update is
-elementwise, so no communication is needed). Parameters and gradients must be float32 or
-float64 and of one dtype and device each; options torch's fused or capturable paths need
-(``capturable``, ``differentiable``, ``fused``, ``foreach``) are refused with one line.
+``Adam``, ``AdamW`` and ``SGD`` are ``torch.optim``'s classes (constructors, checks, groups,
+state dicts and state layout are torch's own) whose ``step`` updates each parameter with ONE
+pass of mpidist's fused kernel (Numba ``njit`` on CPU tensors, ``numba.cuda`` on CUDA
+tensors), equal to torch's to round-off. They work on local tensors, shards and DTensors
+(each rank updates its local shard). Parameters and gradients must be float32 or float64;
+``capturable``, ``differentiable``, ``fused`` and ``foreach`` are refused with one line.
 
 Not collective: ``step`` updates this rank's tensors only.
 """
@@ -56,38 +47,14 @@ def _array(t: torch.Tensor, what: str) -> Any:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-def _step_value(state: dict[str, Any]) -> float:
-    """Increment the step counter (a float tensor, as torch keeps it) and return it."""
-    step = state["step"]
-    step += 1
-    return float(step.item())
-
-
-def _step(opt: Any, closure: Callable[[], Any] | None) -> Any:
-    """The body of each class's ``step``: ``closure()`` with gradients enabled, then
-    ``opt._update(p, group)`` for every parameter that has a (dense) gradient."""
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError(f"{type(opt).__name__}: sparse gradients are not supported")
-            opt._update(p, group)
-    return loss
-
-
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class _FusedAdam:
-    """The fused step of :class:`Adam` and :class:`AdamW` (mixed into torch's classes)."""
+class _Fused:
+    """The ``step`` mixed into torch's classes: ``_update(p, group)`` (the fused kernel) of
+    every parameter with a gradient."""
 
-    _decoupled = False
     param_groups: list[dict[str, Any]]
     state: dict[Any, dict[str, Any]]
 
@@ -95,16 +62,38 @@ class _FusedAdam:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; returns ``closure()``'s loss.
         Not collective."""
-        return _step(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__}: sparse gradients are not "
+                                     "supported")
+                self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class _FusedAdam(_Fused):
+    """The fused update of :class:`Adam` and :class:`AdamW`."""
+
+    _decoupled = False
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
-        if not state:
+        if not state:  # the step counter is a float tensor, as torch keeps it
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
             for name in names:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step = _step_value(state)
+        state["step"] += 1
+        step = float(state["step"].item())
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         decoupled = group.get("decoupled_weight_decay", self._decoupled)
@@ -148,7 +137,7 @@ class AdamW(_FusedAdam, torch.optim.AdamW):
                          amsgrad=amsgrad, maximize=maximize, **options)
 
 
-class SGD(torch.optim.SGD):
+class SGD(_Fused, torch.optim.SGD):
     """``torch.optim.SGD`` whose update is :func:`mpidist.optim.fused_sgd` (momentum, dampening,
     nesterov, ``maximize`` and weight decay as torch; the momentum buffer is set to the
     first step's gradient). Not collective."""
@@ -160,12 +149,6 @@ class SGD(torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                          **options)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One update of every parameter with a gradient; returns ``closure()``'s loss.
-        Not collective."""
-        return _step(self, closure)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         momentum = float(group["momentum"])

@@ -1,22 +1,12 @@
 """Rendezvous from MPI: ``init_process_group`` under mpiexec or srun with no variables.
 
-torch resolves a missing ``init_method`` to ``env://`` before any backend is asked, and its
-env handler wants ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. ``import
-mpidist.torch`` wraps that handler (:func:`install`); the wrapper changes nothing for a
-process that MPI did not start and that has its variables. In an MPI process (started by
-mpiexec/mpirun/srun with an MPI plugin, or one that has initialised MPI, or a lone process
-with none of the variables: a world of one):
-
-- rank and world size come from ``MPI.COMM_WORLD``; a ``rank=``/``world_size=`` argument or
-  a ``RANK``/``WORLD_SIZE`` variable that disagrees with MPI is a ValueError naming both;
-- torch's key-value store is a ``TCPStore`` served by rank 0 on a free port, its address
-  broadcast over MPI: ``127.0.0.1`` for the ranks on rank 0's host, rank 0's host name for
-  the others, or ``MASTER_ADDR``/``MASTER_PORT`` when the user set them;
-- afterwards ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set when
-  absent, as torchrun sets them, for scripts that read them.
-
-Nothing is communicated at import time; the rendezvous is part of the collective
-``init_process_group``.
+torch resolves a missing ``init_method`` to ``env://`` before any backend is asked;
+:func:`install` wraps that handler. A process MPI did not start that has ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` is left to torch. Otherwise rank and
+world size come from ``MPI.COMM_WORLD`` (a disagreeing ``rank=``/``RANK`` is a ValueError),
+the store is a ``TCPStore`` served by rank 0 whose address goes to the others over MPI,
+and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set when
+absent (docs/torch.md, "Rendezvous"). Nothing is communicated at import time.
 """
 
 from __future__ import annotations
