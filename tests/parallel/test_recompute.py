@@ -15,12 +15,15 @@ from mpidist.parallel import STRATEGIES, HybridShardedOptimizer, ShardingConfigu
 from mpidist.parallel.placement import LEVEL_NAMES
 
 
-def _run(comm, level: int, recompute: str, steps: int = 3, pp: int = 1):
+def _run(comm, level: int, recompute: str, steps: int = 3, pp: int = 1,
+         schedule: str = "1f1b"):
     _, data, loss, make_opt = make_case("gpt")
     config = ShardingConfiguration(dtype="float64", micro_batches=2, recompute=recompute)
     if pp > 1:
         opt = HybridShardedOptimizer(make_opt(), config, pipeline_parallel_size=pp,
-                                     zero_stage=level, comm=comm, loss=loss)
+                                     zero_stage=level, comm=comm, loss=loss,
+                                     schedule=schedule,
+                                     virtual_stages=2 if schedule == "interleaved" else None)
     else:
         opt = STRATEGIES[LEVEL_NAMES[level]](make_opt(), config.replace(
             mesh=ProcessMesh(comm)), loss=loss)
@@ -40,11 +43,13 @@ def test_recompute_is_bitwise_the_same_training(comm, level):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_recompute_through_the_pipeline(comm):
+@pytest.mark.parametrize("level,schedule", [(1, "1f1b"), (3, "zero-bubble"),
+                                            (0, "interleaved")])
+def test_recompute_through_the_pipeline(comm, level, schedule):
     if comm.Get_size() % 2:
         pytest.skip("pp=2 needs an even world")
-    ref, _ = _run(comm, 1, "none", pp=2)
-    got, _ = _run(comm, 1, "blocks", pp=2)
+    ref, _ = _run(comm, level, "none", pp=2, schedule=schedule)
+    got, _ = _run(comm, level, "blocks", pp=2, schedule=schedule)
     np.testing.assert_array_equal(got, ref)
 
 
