@@ -1,26 +1,19 @@
 """Causal attention as one Numba kernel per direction: a head's products and softmax in cache.
 
-:func:`mpidist.nn.attention.causal_attention` as NumPy code runs every matrix product over all
-heads, then the softmax over all heads, so each (B, H, T, T) array goes out to memory and comes
-back between the steps. Here the loop runs over heads, and for each head over blocks of
-``rows`` query rows (:data:`mpidist.nn.fused.ATTENTION_ROWS`): the block's scores (one BLAS
-product through :func:`blas.gemm <mpidist.nn.blas.gemm>`, against the head's keys
-transposed beforehand: BLAS runs ``A @ B`` of these shapes half as fast again as
-``A @ B.T``), their softmax while they are still in cache, then the block's output rows.
-Backward likewise: the block's ``dP``, the softmax backward in place, its ``dQ``; then
-``dK`` and ``dV`` of the head. Every product only covers the keys at or before the last
-query of its rows (the causal mask); the products with P or dS run in sub-blocks of ``sub``
-rows (:data:`mpidist.nn.fused.ATTENTION_PRODUCT_ROWS`). With T = 128, 64 and 32: the
-scores and ``dP`` take 3/4 of the full products, the other four products 5/8.
+The loop runs over heads, and for each head over blocks of ``rows`` query rows
+(:data:`mpidist.nn.fused.ATTENTION_ROWS`): the block's scores (one BLAS product through
+:func:`blas.gemm <mpidist.nn.blas.gemm>`, against the head's keys transposed beforehand:
+BLAS runs ``A @ B`` of these shapes half as fast again as ``A @ B.T``), their softmax while
+they are still in cache, then the block's output rows. Backward likewise: the block's
+``dP``, the softmax backward in place, its ``dQ``; then ``dK`` and ``dV`` of the head. Every
+product only covers the keys at or before the last query of its rows (the causal mask); the
+products with P or dS run in sub-blocks of ``sub`` rows
+(:data:`mpidist.nn.fused.ATTENTION_PRODUCT_ROWS`). Why and how fast: docs/performance.md.
 
-The softmax loops of a block's rows run to the block's last key (a multiple of 64 when T
-is), masking the entries above the diagonal with a select, rather than stopping at the
-diagonal: LLVM vectorises a loop 64 float32 lanes at a time and leaves the rest to scalar
-code, so rows that stop at the diagonal ran mostly scalar (over (64, 128, 128) float32
-scores, masked full rows took 0.75 ms against 0.84 ms for rows stopping at the diagonal,
-with twice the arithmetic; blocks of 32 rows, whose rows end at odd multiples of 32, took
-1.05 ms against 0.87 ms for blocks of 64).
-Row maxima use :func:`fmax <mpidist.nn.fused_cpu.fmax>`, which vectorises.
+The softmax loops of a block's rows run to the block's last key, masking the entries above
+the diagonal with a select rather than stopping at the diagonal, so that LLVM vectorises
+them (64 float32 lanes at a time; rows stopping at the diagonal ran mostly scalar). Row
+maxima use :func:`fmax <mpidist.nn.fused_cpu.fmax>`, which vectorises.
 
 The probabilities P of every head are written (zero above the diagonal) where the caller
 keeps them for backward; otherwise the forward leaves only each row's log-sum-exp and the
