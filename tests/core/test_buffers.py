@@ -46,6 +46,21 @@ def test_shard_requires_padding():
         buf.shard(0, 3)
 
 
+@pytest.mark.parametrize("bucket_bytes", [8, 40, 100, 1000, 10**6])
+def test_buckets_cover_everything_in_reverse_order(bucket_bytes):
+    buf = make(pad_to=4)
+    buckets = buf.buckets(bucket_bytes)
+    assert buckets[0].stop == buf.data.shape[0]
+    assert buckets[-1].start == 0
+    for a, b in zip(buckets, buckets[1:], strict=False):
+        assert a.start == b.stop
+    names = [n for b in buckets for n in b.names]
+    assert names == ["c", "b", "a"]
+    limit = bucket_bytes // 8
+    for b in buckets:
+        assert b.size <= max(limit, max(buf.specs[n].size for n in b.names)) + 3  # + padding
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True])
 def test_bad_bucket_size(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
