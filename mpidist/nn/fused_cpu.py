@@ -8,8 +8,8 @@ loop is a ``prange``; per-column sums (the LayerNorm parameter gradients) go to 
 row per chunk of rows, added up at the end in a fixed order, so a result does not depend on
 the threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``;
 the serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
-thread (why: docs/performance.md). Kernels never allocate their outputs (the callers in :mod:`mpidist.nn.fused` do), so the
-memory they use is visible to the caller.
+thread (why: docs/performance.md). Kernels never allocate their outputs (the callers in
+:mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller.
 
 In float32, ``exp`` (softmax, cross-entropy, and GELU, computed as ``v sigmoid(2 z)`` rather
 than with a tanh) is a polynomial with an exponent bit-cast (about 1 ulp): no libm call, so
