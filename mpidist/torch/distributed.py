@@ -104,20 +104,16 @@ def get_rank(group: Any = None) -> int:
     """This process's rank in ``group`` (a torch group or an mpi4py communicator) or the
     default group. Not collective."""
     comm = _mpi_comm(group)
-    if comm is not None:
-        return comm.Get_rank()
-    if not _dist.is_initialized():
-        return get_comm().Get_rank()
+    if comm is not None or not _dist.is_initialized():
+        return (comm or get_comm()).Get_rank()
     return _dist.get_rank(group)
 
 
 def get_world_size(group: Any = None) -> int:
     """The size of ``group`` or of the default group. Not collective."""
     comm = _mpi_comm(group)
-    if comm is not None:
-        return comm.Get_size()
-    if not _dist.is_initialized():
-        return get_comm().Get_size()
+    if comm is not None or not _dist.is_initialized():
+        return (comm or get_comm()).Get_size()
     return _dist.get_world_size(group)
 
 

@@ -4,9 +4,6 @@ keeps communicating."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import numpy as np
 import pytest
 
@@ -16,22 +13,6 @@ import torch.distributed as dist  # noqa: E402
 import torch_models as M  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture
-def world(comm):
-    M.use_backend("mpidist", comm)
-    return dist.get_rank(), dist.get_world_size()
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpidist-dcp-") if comm.Get_rank() == 0
-                      else None)
-    yield path
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def sharded_mlp(mesh) -> torch.nn.Module:

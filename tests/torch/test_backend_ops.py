@@ -9,20 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch_models as M  # noqa: E402
 
 from mpidist.torch import backend  # noqa: E402
 
 R = dist.ReduceOp
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning",
                                       "ignore:Sparse invariant:UserWarning")
-
-
-@pytest.fixture
-def world(comm):
-    M.use_backend("mpidist", comm)
-    assert dist.get_backend() == "mpidist"
-    return dist.get_rank(), dist.get_world_size()
 
 
 def data(rank: int, shape=(5,), dtype=torch.float64, seed: int = 0) -> torch.Tensor:

@@ -20,21 +20,6 @@ GB = 24  # the global batch: divisible by 2, 3 and 4 ranks
 STEPS = 4
 
 
-@pytest.fixture
-def world(comm):
-    M.use_backend("mpidist", comm)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def full(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's parameters as full arrays (DTensors gathered)."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().numpy().copy()
-    return out
-
-
 def reference(kind: str, steps: int = STEPS, clip: float | None = None,
               accumulate: int = 1) -> tuple[list[float], dict[str, np.ndarray]]:
     """Single-process training on the whole global batch."""
@@ -149,7 +134,7 @@ def test_fsdp2_meta_init_full_state_dict_and_clipping(world):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
     _, ref = reference("gpt", clip=0.05)
-    M.assert_close(full(model), ref, what="fsdp2")
+    M.assert_close(M.params_of(model), ref, what="fsdp2")
     assert norm.full_tensor().item() > 0.05  # the clipping was active
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=True))
@@ -179,7 +164,7 @@ def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(world):
         F.cross_entropy(plain(x), y).backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
         popt.step()
-    M.assert_close(full(model), M.params_of(plain), what="tp+fsdp2")
+    M.assert_close(M.params_of(model), M.params_of(plain), what="tp+fsdp2")
 
 
 # -- pipelining -----------------------------------------------------------------------------

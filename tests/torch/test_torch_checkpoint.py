@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 
 import numpy as np
 import pytest
@@ -56,33 +55,11 @@ def steps(net, opt, comm, first: int, last: int) -> list[float]:
     return losses
 
 
-def global_params(module, comm) -> dict[str, np.ndarray]:
-    out = {}
-    for name, p in module.named_parameters():
-        info = getattr(p, "_mpidist_shard", None)
-        if info is None:
-            out[name] = p.detach().numpy().copy()
-        else:
-            rows = comm.allgather(p.detach().numpy().reshape(-1).copy())
-            out[name] = np.concatenate(rows).reshape(info.shape)
-    return out
-
-
 def reference() -> tuple[list[float], dict[str, np.ndarray]]:
     from mpi4py import MPI
 
     net, model, opt = build("plain", MPI.COMM_SELF)
     return steps(net, opt, MPI.COMM_SELF, 0, 6), M.params_of(model)
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="mpidist-torch-ckpt-") if comm.Get_rank() == 0 else None
-    path = comm.bcast(path, root=0)
-    yield path
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -108,7 +85,7 @@ def test_checkpoint_across_wrappers_and_world_sizes(comm, shared_dir, saver, loa
     assert attrs["step"] == 3
     rest = steps(net, opt, comm, 3, 6)
     np.testing.assert_allclose(rest, ref_losses[3:], rtol=1e-10)
-    M.assert_close(global_params(module, comm), ref_params)
+    M.assert_close(M.params_of(module, comm), ref_params)
     # one process, no wrapper at all
     if rank == 0:
         net, module, opt = build("plain", MPI.COMM_SELF)

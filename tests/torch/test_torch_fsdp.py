@@ -16,20 +16,6 @@ STEPS = 10
 GB = 24
 
 
-def full_params(model, comm) -> dict[str, np.ndarray]:
-    """Global parameters of a model sharded by mpidist (rows gathered from every rank)."""
-    out = {}
-    for name, p in model.named_parameters():
-        info = p._mpidist_shard
-        rows = comm.allgather(p.detach().numpy().reshape(-1).copy())
-        out[name] = np.concatenate(rows).reshape(info.shape)
-    return out
-
-
-def torch_full_params(model) -> dict[str, np.ndarray]:
-    return {n: p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
-
-
 def shard(model, comm, *, mine: bool, reshard: bool = True):
     if mine:
         for b in model.blocks:
@@ -92,7 +78,7 @@ def test_fully_shard_equals_torch_fully_shard(comm, reshard):
     ref_model = shard(M.make("gpt"), comm, mine=False, reshard=reshard)
     ref = train(ref_model, comm)
     np.testing.assert_allclose(ours, ref, rtol=1e-10)
-    M.assert_close(full_params(ours_model, comm), torch_full_params(ref_model))
+    M.assert_close(M.params_of(ours_model, comm), M.params_of(ref_model))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -105,7 +91,7 @@ def test_fully_shard_equals_single_process(comm, monkeypatch, accumulate, clip, 
     losses = train(model, comm, accumulate, clip, sgd)
     ref_losses, ref_params = single_process(accumulate, clip, sgd)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
-    M.assert_close(full_params(model, comm), ref_params)
+    M.assert_close(M.params_of(model, comm), ref_params)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -170,7 +156,7 @@ def test_fully_shard_rows_fewer_than_ranks(comm):
         opt.step()
         plain(x).mean().backward()
         popt.step()
-    M.assert_close(full_params(model, comm), M.params_of(plain))
+    M.assert_close(M.params_of(model, comm), M.params_of(plain))
 
 
 def test_fully_shard_is_superseded_by_torchs_own_on_the_backend():

@@ -180,8 +180,19 @@ def loss_of(kind: str, model: torch.nn.Module, x: torch.Tensor,
     return F.cross_entropy(out["logits"], y) + 0.0 * out["hidden"].sum()
 
 
-def params_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+def params_of(model: torch.nn.Module, comm=None) -> dict[str, np.ndarray]:
+    """The model's parameters as global arrays: DTensors gathered, and the rows of
+    ``mpidist.torch.fully_shard``'s shards gathered over ``comm`` (collective then)."""
+    out = {}
+    for name, p in model.named_parameters():
+        info = getattr(p, "_mpidist_shard", None)
+        if info is not None:
+            rows = comm.allgather(p.detach().numpy().reshape(-1).copy())
+            out[name] = np.concatenate(rows).reshape(info.shape)
+        else:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().numpy().copy()
+    return out
 
 
 def assert_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 1e-10,
