@@ -23,9 +23,10 @@ FIXED = ("dtype", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "op
          "global_batch", "seed", "data")
 TUNABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay",
            "max_grad_norm")
-LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "micro_batches",
-          "sync_period", "compression", "topk_ratio", "powersgd_rank", "staleness",
-          "bucket_mb", "min_workers", "max_workers")
+LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stages",
+          "recompute", "micro_batches", "sync_period", "shard_group", "compression",
+          "topk_ratio", "powersgd_rank", "staleness", "bucket_mb", "min_workers",
+          "max_workers")
 CADENCE = ("steps", "checkpoint_interval", "keep", "eval_interval", "eval_batches",
            "data_binary")
 

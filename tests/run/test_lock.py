@@ -123,7 +123,9 @@ def _state(**kw) -> dict:
     base = {"exists": True, "checkpoints": ["ckpt-00000040.h5"],
             "latest": "runs/z1/ckpt-00000040.h5", "step": 40, "world_size": 4,
             "dtype": "float64", "optimizer": "adamw", "outputs": ["metrics.jsonl"], "error": "",
-            "train_config": {**TrainConfig(strategy="zero1", dtype="float64", n_embd=32,
+            "train_config": {**TrainConfig(strategy="hybrid", pp=2, schedule="interleaved",
+                                           virtual_stages=2, recompute="blocks",
+                                           dtype="float64", n_embd=32,
                                            steps=600).__dict__, "lr_decay_steps": 600}}
     base.update(kw)
     return base
@@ -150,7 +152,9 @@ def test_decisions_start_resume_refuse():
 def test_resolve_takes_the_checkpoints_settings():
     cfg = TrainConfig(out="runs/z1", resume=True, steps=4000)
     new, notes = resolve_settings(cfg, {"out", "resume", "steps"}, _state(), world_size=3)
-    assert (new.strategy, new.dtype, new.n_embd, new.steps) == ("zero1", "float64", 32, 4000)
+    assert (new.strategy, new.dtype, new.n_embd, new.steps) == ("hybrid", "float64", 32, 4000)
+    assert (new.pp, new.schedule, new.virtual_stages, new.recompute) == \
+        (2, "interleaved", 2, "blocks")  # the whole layout, not only the strategy's name
     assert new.lr_decay_steps == 600 and notes == []
     asks = TrainConfig(out="runs/z1", resume=True, dtype="float32", n_embd=32, lr=1e-3)
     with pytest.raises(ValueError) as err:
