@@ -114,6 +114,21 @@ def test_every_schedule_with_zero_over_dp(comm, schedule, zero):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_interleaved_without_overlap(comm, zero):
+    """pp 2 x dp (the rest of an even world), v=2, gradients synchronised after the step's
+    last backward (of chunk 0) instead of bucket by bucket during it."""
+    n = comm.Get_size()
+    if n % 2:
+        pytest.skip("pp=2 needs an even world")
+    config = ShardingConfiguration(dtype="float64", micro_batches=2, overlap=False)
+    opt = HybridShardedOptimizer(make_opt(), config, pipeline_parallel_size=2,
+                                 data_parallel_size=n // 2, zero_stage=zero,
+                                 schedule="interleaved", virtual_stages=2, comm=comm)
+    check_trains_like_one_process(comm, opt, 2)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_interleaved_with_tensor_parallelism(comm):
     """pp 2 x tp (the rest of an even world), v=2, ZeRO 1."""
     n = comm.Get_size()
