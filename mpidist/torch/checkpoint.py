@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mpidist import checkpoint as ckpt
+from mpidist.checkpoint.agreement import on_root
 from mpidist.core.buffers import row_range
 from mpidist.torch._common import numpy_dtype, resolve_comm
 from mpidist.torch.ddp import DistributedDataParallel
@@ -265,18 +266,14 @@ def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
     """
     module, comm, _ = _unwrap(module, optimizer, comm)
     path = os.fspath(path)
-    meta = None
-    if comm.Get_rank() == 0:
-        try:
-            target = ckpt.latest_checkpoint(path) if os.path.isdir(path) else path
-            meta = ("ok", target, *ckpt.read_metadata(target)) if target else \
-                ("error", f"no checkpoint in {path!r}")
-        except Exception as exc:  # every rank raises the same error below
-            meta = ("error", f"{type(exc).__name__}: {exc}")
-    meta = comm.bcast(meta, root=0) if comm.Get_size() > 1 else meta
-    if meta[0] == "error":
-        raise ckpt.CheckpointError(meta[1])
-    _, target, attrs, infos = meta
+
+    def header() -> tuple[str, dict[str, Any], dict[str, ckpt.TensorInfo]]:
+        target = ckpt.latest_checkpoint(path) if os.path.isdir(path) else path
+        if target is None:
+            raise ckpt.CheckpointError(f"no checkpoint in {path!r}")
+        return (target, *ckpt.read_metadata(target))
+
+    target, attrs, infos = on_root(comm, header)  # every rank raises rank 0's error
     entries = _model_entries(module, values=False)
     expected = {e.name: ckpt.TensorInfo(e.shape, numpy_dtype(e.tensor.dtype).name)
                 for e in entries}
