@@ -9,11 +9,14 @@ interleaved schedule). Schedules:
 * ``1f1b`` — ``p - s - 1`` warm-up forwards on stage ``s``, then one forward one backward;
 * ``interleaved`` — Megatron's interleaved 1F1B over ``v`` chunks per stage (needs ``m`` a
   multiple of ``p``): the bubble shrinks by ``v``;
-* ``zero-bubble`` — ZB-H1 (Qi et al., 2024): backward split into B and W; the stage runs a
-  ready B first, else a forward while fewer than ``p - s`` micro-batches are between their
-  F and their B (1F1B's peak of activations; after B a micro-batch keeps only what its W
-  needs: the weight products' inputs and upstream gradients), else a deferred W — so the
-  W fill the bubble 1F1B leaves.
+* ``zero-bubble`` — ZB-H1 (Qi et al., 2024): backward split into B and W, W deferred into
+  the bubble, memory no more than 1F1B's. A micro-batch is held from its F to its W (a
+  pending W keeps the weight products' inputs and upstream gradients: almost all of the
+  activations), and no stage holds more than ``min(p, m)``, 1F1B's peak (stage 0's). Stage
+  ``s`` runs ``p - s`` warm-up forwards, then for each micro-batch its B, the W of the
+  micro-batch ``s`` before it (so ``s`` W wait, filling the bubble), the next forward; the
+  ``s`` deferred W last. With equal F, B and W and free messages the step is
+  ``3m + p - 1`` (``2m + 2p - 1`` for ``m < p``), the lower bound of any order.
 
 :func:`simulate` runs orders against per-chunk times of F, B and W and a point-to-point
 latency, honouring every dependency (a forward needs the previous virtual stage's, a B the
@@ -78,26 +81,28 @@ def orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
         return out
     if schedule == "interleaved":
         return [_interleaved(s, p, m, v) for s in range(p)]
-    return simulate_greedy_zero_bubble(p, m)
+    return _zero_bubble(p, m)
 
 
 def step_units(schedule: str, p: int, m: int, v: int = 1) -> float:
     """A step's time in units of one micro-batch's F on one stage, with B = W = F and free
     messages: the closed forms the simulation gives (tested against it), for the planner.
     GPipe and 1F1B ``3(m + p - 1)``; interleaved ``3(m + (p - 1)/v)``; ZB-H1
-    ``3m + p - 1``. Pure."""
+    ``3m + p - 1``, or ``2m + 2p - 1`` for ``m < p`` (the first B reaches stage 0 after
+    ``2p - 1`` units, then ``2m`` units of B and W remain there). Pure."""
     _check(schedule, p, m, v)
     if schedule == "zero-bubble":
-        return 3 * m + p - 1
+        return 2 * m + p - 1 + max(m, p)
     if schedule == "interleaved":
         return 3 * (m + (p - 1) / v)
     return 3 * (m + p - 1)
 
 
 def peak_in_flight(schedule: str, p: int, m: int, v: int = 1) -> int:
-    """The most (micro-batch, chunk) pairs between their forward and their backward on any
-    stage of ``schedule``'s orders (a chunk is ``1/v`` of a stage): GPipe ``m``, 1F1B and
-    ZB-H1 ``min(p, m)`` (their closed forms), interleaved counted on its orders. Pure."""
+    """The most (micro-batch, chunk) pairs between their forward and their backward (under
+    ZB-H1 their W, the end of the backward) on any stage of ``schedule``'s orders (a chunk is
+    ``1/v`` of a stage): GPipe ``m``, 1F1B and ZB-H1 ``min(p, m)`` (their closed forms),
+    interleaved counted on its orders. Pure."""
     _check(schedule, p, m, v)
     if schedule == "gpipe":
         return m
@@ -184,42 +189,19 @@ def _ready(kind: str, i: int, vs: int, last: int, p: int,
     return None if nxt is None else max(own, nxt)
 
 
-def simulate_greedy_zero_bubble(p: int, m: int) -> list[list[Op]]:
-    """ZB-H1's orders, made by running the rule of the module doc with unit times (equal
-    F, B and W; messages free): the order is then fixed, as a stage must run a fixed order
-    whatever the real times."""
-    time = [0.0] * p
-    done: dict[tuple[str, int, int], float] = {}
-    out: list[list[Op]] = [[] for _ in range(p)]
-    nxt_f, nxt_b = [0] * p, [0] * p
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    while any(len(o) < 3 * m for o in out):
-        s = min((s for s in range(p) if len(out[s]) < 3 * m), key=lambda s: (time[s], s))
-        cands = []
-        if nxt_b[s] < m:
-            r = _ready("B", nxt_b[s], s, p - 1, p, done, 0.0)
-            if r is not None and r <= time[s]:
-                cands.append(("B", nxt_b[s]))
-        held = nxt_f[s] - nxt_b[s]  # activations live from F to B (what W keeps is small)
-        if not cands and nxt_f[s] < m and held < p - s:
-            r = _ready("F", nxt_f[s], s, p - 1, p, done, 0.0)
-            if r is not None and r <= time[s]:
-                cands.append(("F", nxt_f[s]))
-        if not cands and pending_w[s]:
-            cands.append(("W", pending_w[s][0]))
-        if not cands:  # wait for the next arrival
-            arrivals = [t for t in done.values() if t > time[s]]
-            time[s] = min(arrivals) if arrivals else time[s] + 1.0
-            continue
-        kind, i = cands[0]
-        time[s] += 1.0
-        done[(kind, i, s)] = time[s]
-        out[s].append((kind, i, 0))
-        if kind == "F":
-            nxt_f[s] += 1
-        elif kind == "B":
-            nxt_b[s] += 1
-            pending_w[s].append(i)
-        else:
-            pending_w[s].pop(0)
+def _zero_bubble(p: int, m: int) -> list[list[Op]]:
+    """ZB-H1's orders (the module doc): stage ``s`` holds at most ``p - s`` micro-batches
+    between F and B and ``s`` more waiting for their W, ``min(p, m)`` in all."""
+    out = []
+    for s in range(p):
+        n_f = min(p - s, m)
+        order: list[Op] = [("F", i, 0) for i in range(n_f)]
+        for j in range(m):
+            order.append(("B", j, 0))
+            if j >= s:
+                order.append(("W", j - s, 0))
+            if n_f < m:
+                order.append(("F", n_f, 0))
+                n_f += 1
+        out.append(order + [("W", i, 0) for i in range(max(0, m - s), m)])
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpidist.parallel.pipeline import schedule_order
-from mpidist.parallel.schedules import orders, simulate
+from mpidist.parallel.schedules import orders, peak_in_flight, simulate, step_units
 
 CASES = [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (3, 2)]
 
@@ -44,15 +44,42 @@ def test_gpipe_and_1f1b_take_the_theoretical_step(p, m):
         assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6), (4, 4)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6), (4, 4), (3, 2), (4, 1), (8, 64)])
 def test_zero_bubble_takes_zb_h1s_step(p, m):
     """ZB-H1 with equal F, B and W: m(F+B+W) + (p-1)(F+B-W), i.e. 13/15 of 1F1B's step
-    at p=2, m=4 (Qi et al. 2024)."""
+    at p=2, m=4 (Qi et al. 2024); for m < p the first B reaches stage 0 at 2p - 1 and 2m
+    units remain there. step_units gives the same."""
     zb = simulate(orders("zero-bubble", p, m), f=1, b=1, w=1).step
-    assert zb == pytest.approx(3 * m + (p - 1))
+    assert zb == pytest.approx(3 * m + (p - 1) if m >= p else 2 * m + 2 * p - 1)
+    assert step_units("zero-bubble", p, m) == zb
     one = simulate(orders("1f1b", p, m), f=1, b=1, w=1).step
     if (p, m) == (2, 4):
         assert zb / one == pytest.approx(13 / 15)
+
+
+def _held(order):
+    """Most micro-batches whose F is done and whose W (or BW) is not."""
+    live = peak = 0
+    for kind, _, _ in order:
+        live += {"F": 1, "B": 0}.get(kind, -1)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("p", range(2, 7))
+def test_zero_bubble_holds_no_more_than_1f1b(p):
+    """A pending W keeps nearly all a micro-batch's activations: counted from F to W, no
+    stage holds more than min(p, m) (1F1B's peak, stage 0's), and the step is never above
+    1F1B's, at the lower bound max(3m + p - 1, 2m + 2p - 1) of any order."""
+    for m in range(1, 3 * p + 1):
+        zb, one = orders("zero-bubble", p, m), orders("1f1b", p, m)
+        assert max(_held(o) for o in zb) <= min(p, m) == max(_held(o) for o in one)
+        assert peak_in_flight("zero-bubble", p, m) == max(_held(o) for o in zb)
+        step = simulate(zb, f=1, b=1, w=1).step
+        assert step <= simulate(one, f=1, b=1, w=1).step
+        assert step == max(3 * m + p - 1, 2 * m + 2 * p - 1)
+        for f, b, w in ((1.0, 1.5, 0.5), (1.0, 2.0, 1.0)):
+            assert simulate(zb, f=f, b=b, w=w).step <= simulate(one, f=f, b=b, w=w).step
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 4, 4)])
