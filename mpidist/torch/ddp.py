@@ -125,9 +125,7 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module. Collective when buffers are broadcast (``broadcast_buffers``)."""
         if self.broadcast_buffers and self.require_forward_param_sync:
-            buffers = list(self.module.buffers())
-            if buffers and self.comm.Get_size() > 1:
-                broadcast_tensors(buffers, self.comm)
+            broadcast_tensors(list(self.module.buffers()), self.comm)
         if torch.is_grad_enabled():
             self._sync_backward = self.require_backward_grad_sync
         out = self.module(*inputs, **kwargs)
