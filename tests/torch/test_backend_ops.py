@@ -4,6 +4,8 @@ point, coalesced, object and functional collectives, clear errors before communi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,24 +32,15 @@ def every(n, **kw):
     return [data(r, **kw) for r in range(n)]
 
 
+_FOLD = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum,
+         R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}
+
+
 def fold(op, xs):
-    out = xs[0].clone()
-    for x in xs[1:]:
-        if op == R.SUM:
-            out = out + x if out.dtype != torch.bool else out | x
-        elif op == R.PRODUCT:
-            out = out * x if out.dtype != torch.bool else out & x
-        elif op == R.MIN:
-            out = torch.minimum(out, x)
-        elif op == R.MAX:
-            out = torch.maximum(out, x)
-        elif op == R.BAND:
-            out = out & x
-        elif op == R.BOR:
-            out = out | x
-        elif op == R.BXOR:
-            out = out ^ x
-    return out
+    """The reduction of ``xs`` by ``op`` in one process (on bool: SUM is or, PRODUCT and)."""
+    if xs[0].dtype == torch.bool:
+        op = {R.SUM: R.BOR, R.PRODUCT: R.BAND}.get(op, op)
+    return functools.reduce(_FOLD[op], xs)
 
 
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
