@@ -83,9 +83,8 @@ class _Unit:
         self.size = comm.Get_size()
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
-        first = params[0].shard if params else None
-        self.dtype = first.dtype if first is not None else torch.float32
-        self.device = first.device if first is not None else torch.device("cpu")
+        first = params[0].shard if params else torch.empty(0)
+        self.dtype, self.device = first.dtype, first.device
         off = full_off = 0
         for p in params:
             p.off, p.full_off = off, full_off
@@ -418,10 +417,9 @@ def _post_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
     if ctx is None:
         raise RuntimeError("fully_shard: a forward ended outside its root's forward")
     if torch.is_grad_enabled():
-        tensors = [t for t in tree_flatten(output)[0]
-                   if torch.is_tensor(t) and t.requires_grad]
-        for t in tensors:
-            t.register_hook(_pre_backward_hook(unit))
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(_pre_backward_hook(unit))
     if unit is ctx.root:
         ctx.recording = False
         _CURRENT.clear()
@@ -474,10 +472,8 @@ def _finish(ctx: _Context) -> None:
         for unit in reversed(ctx.order):
             if unit not in ctx.reduced and unit.pre_backward_done and unit.gathered:
                 _reduce(unit, ctx, blocking=True)
-            elif unit.gathered and unit is not ctx.root:
+            elif unit.gathered:  # the root (last here) stayed gathered after forward
                 unit.free()
-        if ctx.root.gathered:
-            ctx.root.free()
         synced = [u for u in ctx.order if u in ctx.reduced]
         flags = torch.tensor([u.got_grad.get(p, False) for u in synced for p in u.params],
                              dtype=torch.int32)

@@ -107,10 +107,9 @@ def as_host(t: torch.Tensor) -> torch.Tensor:
     returns when the values are on the host, so MPI never reads memory still being
     written. (As with torch's own backends, work on other streams must be ordered before
     the call by the caller.)"""
-    if t.device.type == "cpu" and t.is_contiguous():
-        return t
     host = scratch(t)
-    host.copy_(t.detach())
+    if host is not t:
+        host.copy_(t.detach())
     return host
 
 
