@@ -413,9 +413,7 @@ def _pre_forward(module: torch.nn.Module, args: Any) -> None:
 
 def _post_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
     unit: _Unit = module._mpidist_unit  # type: ignore[assignment]
-    ctx = unit.ctx
-    if ctx is None:
-        raise RuntimeError("fully_shard: a forward ended outside its root's forward")
+    ctx: _Context = unit.ctx  # type: ignore[assignment]  # set by _pre_forward
     if torch.is_grad_enabled():
         for t in tree_flatten(output)[0]:
             if torch.is_tensor(t) and t.requires_grad:
@@ -433,9 +431,7 @@ def _pre_backward_hook(unit: _Unit) -> Any:
         if unit.pre_backward_done:
             return
         unit.pre_backward_done = True
-        ctx = unit.ctx
-        if ctx is None:
-            raise RuntimeError("fully_shard: a backward reached a unit outside its root's step")
+        ctx: _Context = unit.ctx  # type: ignore[assignment]  # set in forward
         if not ctx.in_backward:
             ctx.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(ctx))
