@@ -49,8 +49,6 @@ __all__ = [
     "check_schedule",
     "cut_virtual_stages",
     "partition_units",
-    "peak_live",
-    "schedule_order",
 ]
 
 #: the schedules the runtime runs (their orders: :mod:`mpidist.parallel.schedules`)
@@ -159,38 +157,6 @@ def _balanced_sizes(w: list[int], pp: int) -> list[int]:
     return sizes[::-1]
 
 
-# -- schedules -------------------------------------------------------------------------------
-def schedule_order(schedule: str, stage: int, n_stages: int, micro_batches: int
-                   ) -> list[tuple[str, int]]:
-    """The ``("F", i)`` / ``("B", i)`` sequence stage ``stage`` of ``n_stages`` runs. Pure."""
-    schedule = check_schedule(schedule)
-    if schedule in ("zero-bubble", "interleaved"):
-        raise ValueError(f"schedule_order gives F/B orders of one chunk; the {schedule} one "
-                         "is mpidist.parallel.schedules.orders")
-    m = int(micro_batches)
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage={stage} is outside {n_stages} stages")
-    if m < 1:
-        raise ValueError(f"micro_batches={m} must be >= 1")
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(n_stages - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for k in range(m - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    order += [("B", i) for i in range(m - warmup, m)]
-    return order
-
-
-def peak_live(order: Sequence[tuple[str, int]]) -> int:
-    """Most micro-batches whose forward is done and backward not yet, over ``order``."""
-    live = peak = 0
-    for kind, _ in order:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
 # -- running one stage ----------------------------------------------------------------------
 @dataclass
 class PipelineStats:
@@ -199,6 +165,8 @@ class PipelineStats:
     seconds: float = 0.0  # wall time of the whole schedule, sends included
     wait_seconds: float = 0.0  # time blocked in receives (the bubble, seen by this stage)
     send_wait_seconds: float = 0.0  # time waiting for sends to complete at the end
+    #: most micro-batches holding activations: forward done, and backward (under the
+    #: zero-bubble schedule, its deferred weight gradients, W) not yet
     peak_live: int = 0
     messages: int = 0
 
@@ -361,13 +329,15 @@ class PipelineStage:
                 C.wait_all(sends)
                 sends = []
                 self.backward_weight(i)  # type: ignore[misc]
+                live -= 1  # what the W kept (the layers' inputs) is released
             else:  # "B" (the input gradient) or "BW" (a whole backward)
                 dy = self.loss.backward(ctx=i) if last else \
                     self._recv_gradient(*sent_shape.pop((i, c)), chunk=c)
                 dx = self._call(self.backward, dy, i, c)
                 if not first:
                     sends.append(self._send_gradient(dx, c))
-                live -= 1
+                if kind == "BW":
+                    live -= 1
             # Completed sends release their buffers (and drive MPI progress).
             sends = [r for r in sends if not r.test()]
         t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def check_trains_like_one_process(comm, opt, n_layer: int) -> None:
         order = orders(opt.schedule, model.pp_size, opt.config.micro_batches, v)[model.stage]
         live = peak = 0
         for kind, _, _ in order:
-            live += {"F": 1, "B": -1, "BW": -1, "W": 0}[kind]
+            live += {"F": 1, "B": 0, "BW": -1, "W": -1}[kind]  # held from F to W
             peak = max(peak, live)
         assert model.last_pipeline_stats.peak_live == peak
     model.free()

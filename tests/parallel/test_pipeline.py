@@ -6,34 +6,31 @@ import numpy as np
 import pytest
 
 from mpidist.nn import MLP, MSELoss
-from mpidist.parallel.pipeline import (
-    PipelineStage,
-    bubble_fraction,
-    partition_units,
-    peak_live,
-    schedule_order,
-)
+from mpidist.parallel.pipeline import PipelineStage, bubble_fraction, partition_units
+from mpidist.parallel.schedules import orders, peak_in_flight
 
 
 # -- pure ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (2, 4), (4, 3), (4, 8)])
 def test_schedule_orders(schedule, p, m):
-    for s in range(p):
-        order = schedule_order(schedule, s, p, m)
-        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
-        assert [i for k, i in order if k == "B"] == list(range(m))  # backwards in order
+    for s, order in enumerate(orders(schedule, p, m)):
+        ops = [(k, i) for k, i, _ in order]
+        assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("BW", i) for i in range(m)])
+        assert [i for k, i in ops if k == "BW"] == list(range(m))  # backwards in order
         for i in range(m):
-            assert order.index(("F", i)) < order.index(("B", i))
-        want = m if schedule == "gpipe" else min(p - s, m)
-        assert peak_live(order) == want
+            assert ops.index(("F", i)) < ops.index(("BW", i))
+        live = peak = 0
+        for k, _ in ops:
+            live += 1 if k == "F" else -1
+            peak = max(peak, live)
+        assert peak == (m if schedule == "gpipe" else min(p - s, m))
+    assert peak_in_flight(schedule, p, m) == (m if schedule == "gpipe" else min(p, m))
 
 
 def test_schedule_rejects_bad_names():
     with pytest.raises(ValueError, match="schedule='zb'"):
-        schedule_order("zb", 0, 2, 2)
-    with pytest.raises(ValueError, match="stage=2 is outside 2 stages"):
-        schedule_order("gpipe", 2, 2, 2)
+        orders("zb", 2, 2)
 
 
 def test_partition_units():
