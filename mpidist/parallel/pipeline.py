@@ -40,6 +40,7 @@ import numpy as np
 
 from mpidist.core import collectives as C
 from mpidist.core.comms import size_rank
+from mpidist.parallel.schedules import SCHEDULES, orders
 
 __all__ = [
     "SCHEDULES",
@@ -51,8 +52,8 @@ __all__ = [
     "partition_units",
 ]
 
-#: the schedules the runtime runs (their orders: :mod:`mpidist.parallel.schedules`)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+#: how the stages are cut (the schedules the runtime runs, and their orders, are in
+#: :mod:`mpidist.parallel.schedules`)
 BALANCES = ("uniform", "parameters")
 
 _TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 11, 12, 13
@@ -278,8 +279,6 @@ class PipelineStage:
         schedule = check_schedule(schedule)
         if schedule == "zero-bubble" and self.backward_weight is None:
             raise ValueError("the zero-bubble schedule needs backward_weight")
-        from mpidist.parallel.schedules import orders
-
         return orders(schedule, self.n_stages, m, v)[self.stage]
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -42,10 +42,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mpidist.parallel.schedules import peak_in_flight, step_units
+from mpidist.parallel.schedules import SCHEDULES, peak_in_flight, step_units
 
 #: the schedules the planner models (those the runtime runs)
-PLAN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 
 __all__ = [
     "PRECISIONS",
@@ -486,8 +485,8 @@ def _pipeline_choices(pp: int, schedules: Sequence[str], recompute: Sequence[str
     matters where there is a pipeline, the virtual stages only for the interleaved one.
     ValueError naming a bad choice. Pure."""
     for sched in schedules:
-        if sched not in PLAN_SCHEDULES:
-            raise ValueError(f"schedule {sched!r} is not one of {PLAN_SCHEDULES}")
+        if sched not in SCHEDULES:
+            raise ValueError(f"schedule {sched!r} is not one of {SCHEDULES}")
     for v in virtual_stages:
         if isinstance(v, bool) or not isinstance(v, int) or v < 2:
             raise ValueError(f"virtual stages {v!r} must be an integer >= 2 (the chunks per "
