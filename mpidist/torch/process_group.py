@@ -282,12 +282,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         values = local.values().contiguous()
         with self._on("all_reduce (sparse)", t) as comm:
             counts = comm.allgather(indices.shape[0])
-            all_indices = torch.empty((sum(counts), indices.shape[1]), dtype=indices.dtype)
-            comm.Allgatherv(spec(indices), counts_spec(all_indices, [c * indices.shape[1]
-                                                                     for c in counts]))
-            width = math.prod(values.shape[1:])
-            all_values = torch.empty((sum(counts), *values.shape[1:]), dtype=values.dtype)
-            comm.Allgatherv(spec(values), counts_spec(all_values, [c * width for c in counts]))
+
+            def rows(x: torch.Tensor) -> torch.Tensor:  # every rank's rows of x
+                out = torch.empty((sum(counts), *x.shape[1:]), dtype=x.dtype)
+                width = math.prod(x.shape[1:])
+                comm.Allgatherv(spec(x), counts_spec(out, [c * width for c in counts]))
+                return out
+
+            all_indices, all_values = rows(indices), rows(values)
         total = torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce()
         with torch.no_grad():
             t.copy_(total.to(t.device))
