@@ -407,21 +407,21 @@ class Work(dist.Work):
         """Complete the operation. With a positive ``timeout``: RuntimeError when it has not
         completed by then (the operation stays pending)."""
         seconds = timeout.total_seconds() if timeout is not None else 0.0
-        if self._event is not None:
-            if not self._event.wait(seconds if seconds > 0 else None):
-                raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
-            if self._error is not None:
-                raise self._error
+        if self._event is not None:  # run by the communication thread
+            done = self._event.wait(seconds if seconds > 0 else None)
+        elif self._done:
             return True
-        if self._done:
+        elif seconds > 0:
+            done = poll(self._test, seconds)
+        else:
+            with watch(self._what, self._timeout):
+                mpi().Request.Waitall(self._requests, self._statuses)
+            self._complete()
             return True
-        if seconds > 0:
-            if not poll(self._test, seconds):
-                raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
-            return True
-        with watch(self._what, self._timeout):
-            mpi().Request.Waitall(self._requests, self._statuses)
-        self._complete()
+        if not done:
+            raise RuntimeError(f"{self._what}: Timed out after {seconds:g} s in wait()")
+        if self._error is not None:
+            raise self._error
         return True
 
     def _test(self) -> bool:
