@@ -302,11 +302,8 @@ def fully_shard(module: torch.nn.Module, *, comm: Any = None, mesh: Any = None,
     the optimizer afterwards, over ``model.parameters()`` (the shards). A parameter tied to
     one in another unit is an error: put both in one unit.
 
-    Superseded by torch's own ``torch.distributed.fsdp.fully_shard`` on the "mpidist"
-    backend (``import mpidist.torch``, ``dist.init_process_group("mpidist")``), whose
-    parameters are DTensors, so that torch's ``clip_grad_norm_`` takes the global norm and
-    ``get_model_state_dict`` gives full state dicts; this one warns (FutureWarning) and stays
-    for existing scripts.
+    Superseded by torch's own ``fully_shard`` on the "mpidist" backend (docs/torch.md); this
+    one warns (FutureWarning) and stays for existing scripts.
     """
     warnings.warn(
         "mpidist.torch.fully_shard is superseded by torch.distributed.fsdp.fully_shard on the "
