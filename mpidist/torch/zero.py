@@ -69,24 +69,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.comm = comm
         self.world_size, self.rank = comm.Get_size(), comm.Get_rank()
         self.optimizer_class = optimizer_class
-        self._partition = self._partition_parameters()
-        self.optim = optimizer_class(self._local_groups(), **defaults)
-        self._layouts = self._make_layouts()
+        self._build()
         self._all_state_dicts: list[dict[str, Any]] = []
 
     # -- partition -------------------------------------------------------------------------
-    def _partition_parameters(self) -> list[list[list[torch.Tensor]]]:
-        """``[group][rank] -> parameters``: torch's greedy partition."""
+    def _build(self) -> None:
+        """torch's greedy partition (``[group][rank] -> parameters``), the local optimizer over
+        this rank's part and the flat layouts."""
         sizes = [0] * self.world_size
-        out = []
+        self._partition: list[list[list[torch.Tensor]]] = []
         for group in self.param_groups:
             per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
             for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
                 r = int(np.argmin(sizes))
                 per_rank[r].append(p)
                 sizes[r] += p.numel()
-            out.append(per_rank)
-        return out
+            self._partition.append(per_rank)
+        self.optim = self.optimizer_class(self._local_groups(), **self.defaults)
+        self._layouts = self._make_layouts()
 
     def _local_groups(self) -> list[dict[str, Any]]:
         groups = []
@@ -131,9 +131,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if hasattr(self, "optim"):  # after construction: repartition everything
             if any(self.optim.state.values()):
                 raise RuntimeError("add_param_group after the first step() is not supported")
-            self._partition = self._partition_parameters()
-            self.optim = self.optimizer_class(self._local_groups(), **self.defaults)
-            self._layouts = self._make_layouts()
+            self._build()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state on rank ``to``. Collective over ``comm``."""
