@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mpidist.core.comms import mpi
+from mpidist.run.launch.guard import abort_with
 
 __all__ = [
     "CommThread",
@@ -273,22 +274,14 @@ class _Watchdog:
                 what = what() if callable(what) else what
                 frame = sys._current_frames().get(thread)
                 where = "".join(traceback.format_stack(frame)[-12:]) if frame else ""
-                _abort(f"{what} has not completed after {now - started:.0f} s, past its "
-                       f"group's timeout; ending the job (MPI_Abort). It was called from:\n"
-                       f"{where}")
+                abort_with(mpi().COMM_WORLD,
+                           f"mpidist backend: {what} has not completed after "
+                           f"{now - started:.0f} s, past its group's timeout; ending the job "
+                           f"(MPI_Abort). It was called from:\n{where}",
+                           1, sys.__stderr__ or sys.stderr)
 
 
 _WATCHDOG = _Watchdog()
-
-
-def _abort(message: str) -> None:
-    world = mpi().COMM_WORLD
-    stream = sys.__stderr__ or sys.stderr
-    rank = world.Get_rank()
-    stream.write("".join(f"[rank {rank}] {line}\n" for line in
-                         f"mpidist backend: {message}".rstrip("\n").split("\n")))
-    stream.flush()
-    world.Abort(1)
 
 
 class watch:  # noqa: N801 - used as a statement: ``with watch(...):``
