@@ -13,12 +13,13 @@ GPT_CONFIG = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd
 _CORPUS: dict[int, TextCorpus] = {}
 
 
-def make_case(kind: str):
-    """(model factory, dataset, loss, optimizer factory) for 'gpt' or 'mlp'."""
+def make_case(kind: str, gpt: GPTConfig = GPT_CONFIG):
+    """(model factory, dataset, loss, optimizer factory) for 'gpt' (of config ``gpt``) or
+    'mlp'."""
     if kind == "gpt":
-        if 8 not in _CORPUS:
-            _CORPUS[8] = TextCorpus(8)
-        return (lambda: GPT(GPT_CONFIG)), _CORPUS[8], CrossEntropyLoss(), \
+        if gpt.block_size not in _CORPUS:
+            _CORPUS[gpt.block_size] = TextCorpus(gpt.block_size)
+        return (lambda: GPT(gpt)), _CORPUS[gpt.block_size], CrossEntropyLoss(), \
             (lambda: AdamW(lr=3e-3, weight_decay=0.1))
     if kind == "mlp":
         data = synthetic_regression(96, 7, 3, seed=1)
@@ -27,10 +28,21 @@ def make_case(kind: str):
     raise ValueError(kind)
 
 
+_RUNS: dict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+
+
 def reference_run(kind: str, steps: int, global_batch: int, dtype: str,
-                  max_grad_norm: float | None = None):
-    """Plain single-process training on the whole global batch: losses and final params."""
-    make_model, data, loss, make_opt = make_case(kind)
+                  max_grad_norm: float | None = None, gpt: GPTConfig = GPT_CONFIG):
+    """Plain single-process training on the whole global batch: losses and final params
+    (computed once per arguments; read them, don't change them)."""
+    key = (kind, steps, global_batch, dtype, max_grad_norm, gpt)
+    if key not in _RUNS:
+        _RUNS[key] = _train_alone(*key)
+    return _RUNS[key]
+
+
+def _train_alone(kind, steps, global_batch, dtype, max_grad_norm, gpt):
+    make_model, data, loss, make_opt = make_case(kind, gpt)
     model = make_model()
     params, grads = model.build(np.dtype(dtype), seed=0)
     opt = make_opt()

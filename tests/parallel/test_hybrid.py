@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategy_helpers import reference_run
 
 from mpidist.core import collectives as C
 from mpidist.core.mesh import ProcessMesh
-from mpidist.data import GlobalBatchSampler, TextCorpus
+from mpidist.data import TextCorpus
 from mpidist.nn import GPT, MLP, CrossEntropyLoss, GPTConfig, MSELoss
 from mpidist.optim import AdamW
 from mpidist.parallel import DDPOptimizer, HybridShardedOptimizer, ShardingConfiguration
@@ -43,30 +44,9 @@ def make_opt() -> AdamW:
     return AdamW(lr=3e-3, weight_decay=0.1)
 
 
-_REF: dict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
-
-
 def reference(steps: int, clip: float | None):
     """Single-process training of the same GPT on the whole global batch."""
-    key = (steps, clip)
-    if key not in _REF:
-        model = GPT(CONFIG)
-        params, grads = model.build(np.float64, seed=0)
-        opt, loss = make_opt(), CrossEntropyLoss()
-        state = opt.init_state(params.data.shape[0], dtype=np.float64)
-        sampler = GlobalBatchSampler(len(data()), B, seed=0)
-        losses = []
-        for step in range(steps):
-            x, y = data().batch(sampler.global_indices(step))
-            grads.zero_()
-            losses.append(loss.forward(model.forward(x), y))
-            model.backward(loss.backward())
-            scale = 1.0
-            if clip is not None:
-                scale = min(1.0, clip / (float(np.sqrt(grads.data @ grads.data)) + 1e-6))
-            opt.update(params.data, grads.data, state, grad_scale=scale)
-        _REF[key] = (np.array(losses), {n: v.copy() for n, v in params.views().items()})
-    return _REF[key]
+    return reference_run("gpt", steps, B, "float64", clip, gpt=CONFIG)
 
 
 def hybrid(comm, sizes, *, zero=0, schedule="1f1b", clip=None, mesh=None):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategy_helpers import reference_run
 
-from mpidist.data import GlobalBatchSampler, TextCorpus
-from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
+from mpidist.data import TextCorpus
+from mpidist.nn import GPT, GPTConfig
 from mpidist.optim import AdamW
 from mpidist.parallel import HybridShardedOptimizer, ShardingConfiguration
 from mpidist.parallel.schedules import orders
@@ -16,7 +17,6 @@ B = 24  # divisible by dp in {1, 2} times 2, 3 or 4 micro-batches
 STEPS = 3
 TOL = dict(rtol=1e-9, atol=1e-12)
 _DATA: list[TextCorpus] = []
-_REF: dict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
 
 
 def gpt(n_layer: int) -> GPTConfig:
@@ -36,22 +36,7 @@ def make_opt() -> AdamW:
 
 def reference(n_layer: int, steps: int = STEPS) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Single-process training of the same GPT on the whole global batch."""
-    if (n_layer, steps) not in _REF:
-        model = GPT(gpt(n_layer))
-        params, grads = model.build(np.float64, seed=0)
-        opt, loss = make_opt(), CrossEntropyLoss()
-        state = opt.init_state(params.data.shape[0], dtype=np.float64)
-        sampler = GlobalBatchSampler(len(data()), B, seed=0)
-        losses = []
-        for step in range(steps):
-            x, y = data().batch(sampler.global_indices(step))
-            grads.zero_()
-            losses.append(loss.forward(model.forward(x), y))
-            model.backward(loss.backward())
-            opt.update(params.data, grads.data, state)
-        _REF[(n_layer, steps)] = (np.array(losses),
-                                  {n: v.copy() for n, v in params.views().items()})
-    return _REF[(n_layer, steps)]
+    return reference_run("gpt", steps, B, "float64", gpt=gpt(n_layer))
 
 
 def hybrid(comm, pp: int, dp: int = 1, *, zero: int = 0, schedule: str = "interleaved",
