@@ -93,12 +93,21 @@ def on_root(comm: Any, fn: Callable[[], Any], context: str = "") -> Any:
     """``fn()`` run on rank 0 of ``comm`` (None: one process), its result on every rank.
 
     Collective. A failure of ``fn`` raises on every rank, as its own class, its message
-    prefixed with ``[rank 0] <context>: `` when ``context`` is given.
+    prefixed with ``[rank 0] <context>: `` when ``context`` is given; an exception of a
+    class :func:`capture_failure` does not expect (a bug, an odd file) raises as a
+    :class:`CheckpointError` naming it, on every rank too (raised on rank 0 alone it
+    would leave the others waiting in the broadcast).
     """
     result = error = None
     if comm is None or comm.Get_rank() == 0:
         with capture_failure() as box:
-            result = fn()
+            try:
+                result = fn()
+            except (Failure, CheckpointError, OSError, ValueError, KeyError, TypeError,
+                    RuntimeError):
+                raise
+            except Exception as exc:
+                raise Failure(describe_error(exc)) from exc
         if box:
             error = (box[0].cls.__name__, str(box[0]))
     if comm is not None:

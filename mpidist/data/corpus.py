@@ -113,7 +113,6 @@ def _read(path: str) -> bytes:
         return fh.read()
 
 
-@functools.lru_cache(maxsize=4)
 def path_bytes(path: str, *, binary: bool = False
                ) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
     """The bytes of a text file, or of every text file under a directory (sorted relative
@@ -125,6 +124,12 @@ def path_bytes(path: str, *, binary: bool = False
     as it is. Read once per process (as :func:`corpus_bytes`): the settings' check and both
     splits of :class:`TextCorpus` share the reading.
     """
+    return _path_bytes(path, bool(binary))
+
+
+@functools.lru_cache(maxsize=4)
+def _path_bytes(path: str, binary: bool) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
+    # One cache key for path_bytes(p) and path_bytes(p, binary=False).
     if os.path.isfile(path):
         data = _read(path)
         problem = None if binary else text_problem(data)

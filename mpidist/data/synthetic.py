@@ -48,8 +48,9 @@ def synthetic_regression(
     n: int, d_in: int, d_out: int, seed: int = 0, *, noise: float = 0.01
 ) -> ArrayDataset:
     """``y = tanh(x @ W1) @ W2 + noise`` with Gaussian ``x``: a smooth target an MLP can fit."""
-    n, d_in, d_out = checked_int(n, "n", 1), checked_int(d_in, "d_in", 1), \
-        checked_int(d_out, "d_out", 1)
+    n = checked_int(n, "n", 1)
+    d_in = checked_int(d_in, "d_in", 1)
+    d_out = checked_int(d_out, "d_out", 1)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1]))
     hidden = max(4, d_in)
     w1 = rng.standard_normal((d_in, hidden)) / np.sqrt(d_in)
@@ -63,8 +64,9 @@ def synthetic_classification(
     n: int, d_in: int, n_classes: int, seed: int = 0, *, separation: float = 2.0
 ) -> ArrayDataset:
     """Gaussian blobs around ``n_classes`` random centres; int64 labels in ``[0, n_classes)``."""
-    n, d_in, n_classes = checked_int(n, "n", 1), checked_int(d_in, "d_in", 1), \
-        checked_int(n_classes, "n_classes", 1)
+    n = checked_int(n, "n", 1)
+    d_in = checked_int(d_in, "d_in", 1)
+    n_classes = checked_int(n_classes, "n_classes", 1)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 2]))
     centres = separation * rng.standard_normal((n_classes, d_in))
     y = rng.integers(0, n_classes, size=n).astype(np.int64)

@@ -102,8 +102,10 @@ class StageChunks:
                 gviews = self.layout.unit_views(u, gbuf)
                 # Level 3: W reads only gradient buffers (Module.backward_weight), so the
                 # gradient views stand in for the parameters, which stay sharded.
-                pviews = gviews if self.level == 3 else \
-                    self.layout.unit_views(u, self.layout.unit_full(u, self.params))
+                if self.level == 3:
+                    pviews = gviews
+                else:
+                    pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
                 self.units[u].bind(pviews, gviews)
                 self.units[u].backward_weight(ctx)
                 if self.level == 3:

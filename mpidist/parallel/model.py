@@ -171,8 +171,8 @@ class ShardedModel(StageChunks):
                           if n in names}
         every = units_of(self.local_module)
         v = self.config.virtual_stages
-        self.units = [u for c in range(v) for u in every[slice(*self.bounds[c * self.pp_size
-                                                                             + self.stage])]]
+        spans = [self.bounds[c * self.pp_size + self.stage] for c in range(v)]
+        self.units = [u for a, b in spans for u in every[a:b]]
         #: (start, stop) of each chunk among self.units
         self.chunks = chunk_spans(self.bounds, self.pp_size, self.stage, v)
         self.placement = Placement(

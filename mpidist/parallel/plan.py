@@ -44,8 +44,6 @@ from typing import Any
 
 from mpidist.parallel.schedules import SCHEDULES, peak_in_flight, step_units
 
-#: the schedules the planner models (those the runtime runs)
-
 __all__ = [
     "PRECISIONS",
     "Cluster",

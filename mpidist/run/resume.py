@@ -117,8 +117,10 @@ def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
     restore = [k for k in (*FIXED, *TUNABLE, *CADENCE) if k in stored and k not in given]
     if "strategy" not in given:
         same_size = state.get("world_size") == world_size
+        # The chunks per stage belong to the schedule: a new --schedule brings its own.
         restore += [k for k in LAYOUT if k in stored and k not in given
-                    and (k != "dp" or same_size)]
+                    and (k != "dp" or same_size)
+                    and (k != "virtual_stages" or "schedule" not in given)]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: stored[k] for k in restore if k in known}
     notes = [f"{flag(k, getattr(cfg, k))} (the checkpoint was trained with "

@@ -236,3 +236,19 @@ def test_save_errors_raise_on_every_rank(comm, shared_dir):
         save_checkpoint(target, model_tensors(), mine, {"step": 1}, comm=comm)
     comm.Barrier()
     assert os.listdir(shared_dir) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_0_step_raises_anything_on_every_rank(comm):
+    """on_root: an exception class the checkpoint code does not expect (here IndexError,
+    raised on rank 0 only) reaches every rank as a CheckpointError naming it, instead of
+    leaving the other ranks waiting in the broadcast."""
+    from mpidist.checkpoint import CheckpointError
+    from mpidist.checkpoint.agreement import on_root
+
+    def step():
+        return [][comm.Get_rank()]
+
+    with pytest.raises(CheckpointError, match=r"^\[rank 0\] reading: IndexError: list index"):
+        on_root(comm, step, "reading")
+    assert on_root(comm, lambda: comm.Get_rank() + 5) == 5

@@ -155,6 +155,11 @@ def test_resolve_takes_the_checkpoints_settings():
     assert (new.strategy, new.dtype, new.n_embd, new.steps) == ("hybrid", "float64", 32, 4000)
     assert (new.pp, new.schedule, new.virtual_stages, new.recompute) == \
         (2, "interleaved", 2, "blocks")  # the whole layout, not only the strategy's name
+    # another --schedule comes with its own chunks per stage (one, unless given)
+    new, _ = resolve_settings(TrainConfig(out="runs/z1", resume=True, steps=4000,
+                                          schedule="1f1b"),
+                              {"out", "resume", "steps", "schedule"}, _state(), 3)
+    assert (new.schedule, new.virtual_stages, new.pp) == ("1f1b", 1, 2)
     assert new.lr_decay_steps == 600 and notes == []
     asks = TrainConfig(out="runs/z1", resume=True, dtype="float32", n_embd=32, lr=1e-3)
     with pytest.raises(ValueError) as err:
