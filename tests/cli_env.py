@@ -5,6 +5,7 @@ or an earlier launch would leave (they change what a run resumes or which lock i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -33,3 +34,13 @@ def wait_for_rows(proc: subprocess.Popen, metrics: Path, rows: int = 3,
         if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
             return
         time.sleep(0.01)
+
+
+def crashed_at(run: Path, step: int, dest: Path) -> Path:
+    """A new run directory ``dest`` holding only ``run``'s checkpoint of ``step``, as its
+    latest: the run as if it had crashed right after that checkpoint."""
+    name = f"ckpt-{step:08d}.h5"
+    dest.mkdir()
+    shutil.copy(run / name, dest)
+    (dest / "latest").write_text(name + "\n")
+    return dest

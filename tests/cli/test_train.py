@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_env import cli_env
+from cli_env import cli_env, crashed_at
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -60,10 +60,7 @@ def test_train_outputs_and_resume_at_another_world_size(tmp_path: Path):
     assert events[0] == "start" and events[-1] == "end" and "checkpoint" in events
 
     # A crash after step 5: only the first checkpoint survives. Resume on 3 ranks.
-    part = tmp_path / "part"
-    part.mkdir()
-    shutil.copy(full / "ckpt-00000005.h5", part)
-    (part / "latest").write_text("ckpt-00000005.h5\n")
+    part = crashed_at(full, 5, tmp_path / "part")
     mpidist(3, "train", "--out", str(part), "--steps", "10", "--resume", *TINY)
     resumed = rows(part / "metrics.jsonl")
     assert sorted(resumed) == list(range(6, 11))
@@ -128,10 +125,7 @@ def test_hybrid_run_resumes_as_another_strategy(tmp_path: Path):
     want = rows(ddp / "metrics.jsonl")
     np.testing.assert_allclose([rows(hybrid / "metrics.jsonl")[s] for s in range(1, 5)],
                                [want[s] for s in range(1, 5)], rtol=1e-9)
-    part = tmp_path / "part"
-    part.mkdir()
-    shutil.copy(hybrid / "ckpt-00000002.h5", part)
-    (part / "latest").write_text("ckpt-00000002.h5\n")
+    part = crashed_at(hybrid, 2, tmp_path / "part")
     mpidist(3, "train", "--out", str(part), "--strategy", "zero2", "--resume", *args)
     got = rows(part / "metrics.jsonl")
     np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-9)

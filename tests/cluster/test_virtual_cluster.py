@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import crashed_at
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "jobs" / "virtual-cluster.sh"
@@ -148,10 +149,7 @@ def test_checkpoint_across_nodes_resumes_at_another_size(
                             *TINY], tmp_path)
     # As if the job had died after step 3: resume from that checkpoint on 2 ranks, one per
     # node (another world size and another sharding of the ZeRO-3 state).
-    part = tmp_path / "part"
-    part.mkdir()
-    shutil.copy(full / "ckpt-00000003.h5", part)
-    (part / "latest").write_text("ckpt-00000003.h5\n")
+    part = crashed_at(full, 3, tmp_path / "part")
     on_cluster(cluster, 2, [*_mpidist(), "train", "--out", str(part), "--steps", "6",
                             "--strategy", "zero3", "--checkpoint-interval", "3", "--resume",
                             *TINY], tmp_path, map_by="node")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import crashed_at
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -72,10 +73,7 @@ def test_checkpoint_from_4_ranks_resumes_on_3(tmp_path: Path, tmp_path_factory):
     ref = losses(single(tmp_path_factory))
     full = tmp_path / "z1"
     train(4, full, "--strategy", "zero1", "--checkpoint-interval", "2", "--keep", "2")
-    part = tmp_path / "part"
-    part.mkdir()
-    shutil.copy(full / "ckpt-00000002.h5", part)
-    (part / "latest").write_text("ckpt-00000002.h5\n")
+    part = crashed_at(full, 2, tmp_path / "part")
     train(3, part, "--strategy", "zero1", "--checkpoint-interval", "2", "--resume")
     got = {**losses(full), **{s: v for s, v in losses(part).items() if s > 2}}
     assert sorted(got) == [1, 2, 3, 4]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_env import crashed_at
 
 MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")
@@ -44,11 +45,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def from_step3(tmp_path: Path, full: Path, name: str) -> Path:
-    part = tmp_path / name
-    part.mkdir()
-    shutil.copy(full / "ckpt-00000003.h5", part)
-    (part / "latest").write_text("ckpt-00000003.h5\n")
-    return part
+    return crashed_at(full, 3, tmp_path / name)
 
 
 @pytest.mark.parametrize("flags, other_size", [
