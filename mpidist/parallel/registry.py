@@ -62,26 +62,13 @@ def register(name: str, help: str, options: tuple[str, ...] = (), *,
     return deco
 
 
-def _mesh(config: Any, comm: Any, dp: int, hook: Any = None, level: int = 0) -> Any:
-    """``config`` with a data-parallel mesh on ``comm`` when it has none and one is asked
-    for (collective over ``comm``), after ``hook``'s pure check at ``level``: a pair that
-    cannot run is refused before anything is communicated."""
-    if hook is not None:
-        hook.check(level, 1, 1)
-    if config.mesh is not None or (comm is None and dp == -1):
-        return config
-    from mpidist.core.mesh import ProcessMesh
-
-    return config.replace(mesh=ProcessMesh(comm, dp=dp))
-
-
 def _level_strategy(level: int, name: str, help: str) -> None:
     @register(name, help, ("dp",), level=level)
     def build(base: Any, config: Any, *, comm: Any = None, dp: int = -1, **common: Any) -> Any:
         from mpidist.parallel import strategies as S
 
         entry = (S.DDPOptimizer, S.ZeRO1Optimizer, S.ZeRO2Optimizer, S.ZeRO3Optimizer)[level]
-        return entry(base, _mesh(config, comm, dp), **common)
+        return entry(base, config, comm=comm, data_parallel_size=dp, **common)
 
 
 for _level, _help in enumerate((
@@ -123,12 +110,11 @@ def _elastic(base: Any, config: Any, *, comm: Any = None, pp: int = 1, tp: int =
           ("dp", "zero_stage", "sync_period", "shard_group"))
 def _localsgd(base: Any, config: Any, *, comm: Any = None, dp: int = -1, zero_stage: int = 0,
               sync_period: int = 8, shard_group: int = 1, **common: Any) -> Any:
-    from mpidist.parallel.hooks import LocalSGD
     from mpidist.parallel.strategies import LocalSGDOptimizer
 
-    config = _mesh(config, comm, dp, LocalSGD(sync_period, shard_group=shard_group), zero_stage)
-    return LocalSGDOptimizer(base, config, sync_every=sync_period,
-                             zero_stage=zero_stage, shard_group=shard_group, **common)
+    return LocalSGDOptimizer(base, config, sync_every=sync_period, zero_stage=zero_stage,
+                             shard_group=shard_group, comm=comm, data_parallel_size=dp,
+                             **common)
 
 
 @register("compressed", "gradients exchanged compressed, with error feedback",
@@ -136,21 +122,18 @@ def _localsgd(base: Any, config: Any, *, comm: Any = None, dp: int = -1, zero_st
 def _compressed(base: Any, config: Any, *, comm: Any = None, dp: int = -1,
                 zero_stage: int = 0, compression: str = "topk", topk_ratio: float = 0.01,
                 powersgd_rank: int = 4, **common: Any) -> Any:
-    from mpidist.parallel.compression import Compression
     from mpidist.parallel.strategies import GradientCompressionOptimizer
 
-    hook = Compression(compression, ratio=topk_ratio, rank=powersgd_rank)
-    return GradientCompressionOptimizer(base, _mesh(config, comm, dp, hook, zero_stage),
-                                        method=compression, ratio=topk_ratio,
-                                        rank=powersgd_rank, zero_stage=zero_stage, **common)
+    return GradientCompressionOptimizer(base, config, method=compression, ratio=topk_ratio,
+                                        rank=powersgd_rank, zero_stage=zero_stage, comm=comm,
+                                        data_parallel_size=dp, **common)
 
 
 @register("async", "gradients applied up to --staleness steps late", ("dp", "zero_stage",
                                                                       "staleness"))
 def _async(base: Any, config: Any, *, comm: Any = None, dp: int = -1, zero_stage: int = 0,
            staleness: int = 1, **common: Any) -> Any:
-    from mpidist.parallel.hooks import AsyncSGD
     from mpidist.parallel.strategies import AsyncSGDOptimizer
 
-    config = _mesh(config, comm, dp, AsyncSGD(staleness), zero_stage)  # level 0 only
-    return AsyncSGDOptimizer(base, config, staleness=staleness, **common)
+    return AsyncSGDOptimizer(base, config, staleness=staleness, zero_stage=zero_stage,
+                             comm=comm, data_parallel_size=dp, **common)

@@ -172,12 +172,14 @@ class LocalSGDOptimizer(ShardedOptimizer):
     def __init__(self, base: Any, config: ShardingConfiguration | None = None, *,
                  sync_every: int = 8, average_optimizer_state: bool = False,
                  sync_loss: bool = True, zero_stage: int = 0, shard_group: int = 1,
-                 loss: Any = None, lr_schedule: Any = None) -> None:
+                 loss: Any = None, lr_schedule: Any = None, comm: Any = None,
+                 data_parallel_size: int = -1) -> None:
         check_int("LocalSGDOptimizer", "sync_every", sync_every, 1)
         hook = LocalSGD(sync_every, shard_group=shard_group,
                         average_optimizer_state=average_optimizer_state, sync_loss=sync_loss)
         super().__init__(base, config, level=zero_stage, hook=hook, loss=loss,
-                         lr_schedule=lr_schedule)
+                         lr_schedule=lr_schedule, comm=comm,
+                         data_parallel_size=data_parallel_size)
 
     @property
     def sync_every(self) -> int:
@@ -202,10 +204,12 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 
     def __init__(self, base: Any, config: ShardingConfiguration | None = None, *,
                  method: str = "topk", ratio: float = 0.01, rank: int = 4,
-                 zero_stage: int = 0, loss: Any = None, lr_schedule: Any = None) -> None:
+                 zero_stage: int = 0, loss: Any = None, lr_schedule: Any = None,
+                 comm: Any = None, data_parallel_size: int = -1) -> None:
         super().__init__(base, config, level=zero_stage,
                          hook=Compression(method, ratio=ratio, rank=rank), loss=loss,
-                         lr_schedule=lr_schedule)
+                         lr_schedule=lr_schedule, comm=comm,
+                         data_parallel_size=data_parallel_size)
 
     @property
     def method(self) -> str:
@@ -221,12 +225,16 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 class AsyncSGDOptimizer(ShardedOptimizer):
     """SGD with bounded staleness (see :class:`~mpidist.parallel.hooks.AsyncSGD`): the
     gradient allreduces overlap the next ``staleness`` steps. ``step`` is collective over
-    dp; :meth:`state_dict` flushes first (collective)."""
+    dp; :meth:`state_dict` flushes first (collective). ``zero_stage`` other than 0 is
+    refused with the reason (its in-flight gradients are whole copies)."""
 
     def __init__(self, base: Any, config: ShardingConfiguration | None = None, *,
-                 staleness: int = 1, loss: Any = None, lr_schedule: Any = None) -> None:
-        super().__init__(base, config, level=0, hook=AsyncSGD(staleness), loss=loss,
-                         lr_schedule=lr_schedule)
+                 staleness: int = 1, zero_stage: int = 0, loss: Any = None,
+                 lr_schedule: Any = None, comm: Any = None,
+                 data_parallel_size: int = -1) -> None:
+        super().__init__(base, config, level=zero_stage, hook=AsyncSGD(staleness), loss=loss,
+                         lr_schedule=lr_schedule, comm=comm,
+                         data_parallel_size=data_parallel_size)
 
     @property
     def staleness(self) -> int:

@@ -182,7 +182,11 @@ def test_pairs_that_do_not_compose_say_why():
 
 
 class _Untouchable:
-    """A communicator that fails the test if anything uses it."""
+    """A communicator of 2 ranks that fails the test if it is used for anything but telling
+    its size (a local query: anything else could communicate)."""
+
+    def Get_size(self):  # noqa: N802 - mpi4py's name
+        return 2
 
     def __getattr__(self, name):
         raise AssertionError(f"the communicator was used ({name}) before the refusal")
@@ -195,7 +199,8 @@ class _Untouchable:
 ])
 def test_registry_refuses_a_pair_before_making_the_mesh(name, options, match):
     """A strategy and level that cannot run together are refused by the hook's pure check
-    before the builder makes its mesh (a collective) on the communicator."""
+    when the optimizer is built, before anything is communicated (its mesh, a collective,
+    is made when the model is wrapped)."""
     with pytest.raises(ValueError, match=match):
         from mpidist.optim import SGD
 
