@@ -100,14 +100,8 @@ def on_root(comm: Any, fn: Callable[[], Any], context: str = "") -> Any:
     """
     result = error = None
     if comm is None or comm.Get_rank() == 0:
-        with capture_failure() as box:
-            try:
-                result = fn()
-            except (Failure, CheckpointError, OSError, ValueError, KeyError, TypeError,
-                    RuntimeError):
-                raise
-            except Exception as exc:
-                raise Failure(describe_error(exc)) from exc
+        with capture_failure(anything=True) as box:
+            result = fn()
         if box:
             error = (box[0].cls.__name__, str(box[0]))
     if comm is not None:
@@ -128,8 +122,10 @@ def sum_over(comm: Any, sums: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def capture_failure(cls: type[CheckpointError] = CheckpointError) -> Iterator[list[Failure]]:
-    """Collect an exception from the body as a :class:`Failure` instead of raising it."""
+def capture_failure(cls: type[CheckpointError] = CheckpointError, *, anything: bool = False
+                    ) -> Iterator[list[Failure]]:
+    """Collect an exception from the body as a :class:`Failure` instead of raising it: the
+    checkpoint's own and I/O-like ones, and with ``anything`` every other exception too."""
     box: list[Failure] = []
     try:
         yield box
@@ -138,6 +134,10 @@ def capture_failure(cls: type[CheckpointError] = CheckpointError) -> Iterator[li
     except CheckpointError as exc:
         box.append(Failure(str(exc), type(exc)))
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        box.append(Failure(describe_error(exc), cls))
+    except Exception as exc:
+        if not anything:
+            raise
         box.append(Failure(describe_error(exc), cls))
 
 
