@@ -20,6 +20,11 @@ Items (each PASS, FAIL or SKIP with the reason; the log and a summary table go t
   mpidist.torch DDP, ZeroRedundancyOptimizer and fully_shard, and torch's DDP and FSDP2 on
   the "mpidist" backend, all with CUDA tensors, against single-process training; a
   checkpoint round trip of CUDA state (``benchmarks/gpu_check_ranks.py``).
+- ``engine``: ``mpidist train --device cuda`` of a tiny GPT at 1 and 2 ranks against the
+  same run on the CPU (float64, 1e-10), and its checkpoint resumed on the CPU.
+- ``engine_speed``: tokens/s of a training step of a GPT-2-small-sized GPT (batch 8 x 1024)
+  through the engine against the same model in torch eager, float32 and mixed-bf16.
+  Goal: >= 0.8x torch's (both in ``benchmarks/gpu_check_engine.py``).
 
 ``--dry-run`` runs the same logic without a GPU (CI does): the kernels under the Numba
 CUDA simulator, the rest on CPU tensors with small sizes; the goals on speed are not
@@ -321,6 +326,20 @@ def check_ranks(args: argparse.Namespace) -> tuple[str, str]:
             if r["status"] == "FAIL":
                 failed.append(f"{n}r {r['what']}")
     return ("FAIL" if failed else "PASS"), "; ".join(results)
+
+
+@item("engine")
+def check_engine(args: argparse.Namespace) -> tuple[str, str]:
+    import gpu_check_engine
+
+    return gpu_check_engine.parity(args, log=log, mpi_env=_mpi_env, skip=Skip)
+
+
+@item("engine_speed")
+def check_engine_speed(args: argparse.Namespace) -> tuple[str, str]:
+    import gpu_check_engine
+
+    return gpu_check_engine.speed(args, log=log, mpi_env=_mpi_env, skip=Skip)
 
 
 def main() -> int:
