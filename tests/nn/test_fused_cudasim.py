@@ -1,9 +1,17 @@
 """The CUDA layer kernels against the CPU ones, under the Numba CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim``). Tiny sizes: the simulator is slow."""
+(``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim``). Tiny sizes: the simulator is slow.
+
+Under the simulator the kernels use blocks of :data:`~mpidist.nn.fused_cuda.BLOCK` (16)
+threads and grids of at most 3 blocks, so the sizes here cover rows shorter than a block,
+rows of several blocks' length that are no multiple of it, and more rows than blocks.
+float64 and float32 are compared with the CPU kernels on the same inputs; float16 with the
+float32 CPU kernels on the float16 inputs widened to float32."""
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +25,53 @@ pytestmark = [
     ),
 ]
 
-TOL = {"rtol": 1e-11, "atol": 1e-12}  # float64: the same formulas, to round-off
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_simulator():
+    """The simulator runs every CUDA thread as a Python thread and polls them all at each
+    ``syncthreads``: a GIL switch interval of 0.1 ms instead of 5 ms makes these tests ten
+    times faster. Short slices also make a race in the simulator likely enough to matter:
+    its shared arrays are made on a block's first call at each source line, by an unlocked
+    check-then-set, so two threads could each get an array of their own. That allocation
+    is locked here."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    with pytest.MonkeyPatch.context() as mp:
+        try:
+            from numba.cuda.simulator.kernelapi import FakeCUDAShared
+        except ImportError:  # another simulator layout: run unpatched
+            FakeCUDAShared = None
+        if FakeCUDAShared is not None and hasattr(FakeCUDAShared, "array"):
+            mp.setattr(FakeCUDAShared, "array", _locked_shared_array(FakeCUDAShared.array))
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(old)
+
+
+def _locked_shared_array(original):
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
+            return original(self, shape, dtype, alignment)
+        from numba.core import types
+        from numba.np.numpy_support import as_dtype
+
+        frame = sys._getframe(1)  # keyed by the calling line, as the simulator does
+        key = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(key)
+            if res is None:
+                dt = as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
+                res = self._allocations[key] = np.empty(shape, dt)
+        return res
+
+    return array
+
+
+DTYPES = [np.float64, np.float32, np.float16]
+IDS = ["f64", "f32", "f16"]
 
 
 def dev(a: np.ndarray):
@@ -27,77 +81,185 @@ def dev(a: np.ndarray):
 
 
 def host(a) -> np.ndarray:
+    if isinstance(a, HostDeviceArray):
+        return a.a
     return np.asarray(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
 
 
-def test_causal_softmax_matches_cpu() -> None:
+def inputs(dt, *arrays: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(the arrays in ``dt``, the CPU reference's inputs): the same arrays, except that
+    float16 data is compared with the float32 kernels on its widened values."""
+    data = [np.ascontiguousarray(a.astype(dt)) for a in arrays]
+    ref = [a.astype(np.float32) if dt == np.float16 else a.copy() for a in data]
+    return data, ref
+
+
+def close(got, ref, dt, scale: float = 1.0) -> None:
+    """Equal to round-off of ``dt`` (float16: of its float32 accumulation, then rounding);
+    the absolute part is relative to ``scale``, the size of the values compared."""
+    g = host(got).astype(np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    rtol = {np.float64: 1e-12, np.float32: 1e-6, np.float16: 1e-2}[dt]
+    np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * scale)
+
+
+def stat_dtype(dt):
+    return np.float32 if dt == np.float16 else dt
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", [(2, 5, 5), (1, 33, 33)], ids=["short", "long"])
+def test_causal_softmax_matches_cpu(dt, shape) -> None:
     rng = np.random.default_rng(0)
-    s0 = rng.standard_normal((2, 5, 5))
-    dp0 = rng.standard_normal(s0.shape)
-    s = s0.copy()
+    (s0, dp0), (s, dp) = inputs(dt, 3 * rng.standard_normal(shape), rng.standard_normal(shape))
+    raw = s.copy()
     lse = F.causal_softmax(s, 0.7)
-    dp = dp0.copy()
     F.causal_softmax_backward(s, dp, 0.7)
     ds, ddp = dev(s0), dev(dp0)
     dlse = F.causal_softmax(ds, 0.7)
-    np.testing.assert_allclose(host(ds), s, **TOL)
-    np.testing.assert_allclose(host(dlse), lse, **TOL)
+    assert host(ds).dtype == dt and host(dlse).dtype == stat_dtype(dt)
+    close(ds, s, dt)
+    close(dlse, lse, dt, scale=np.abs(lse).max())
     F.causal_softmax_backward(ds, ddp, 0.7)
-    np.testing.assert_allclose(host(ddp), dp, **TOL)
-    dp2 = dev(s0)
-    F.causal_softmax_recompute(dp2, dlse, 0.7)
-    np.testing.assert_allclose(host(dp2), s, **TOL)
+    close(ddp, dp, dt)
+    ds2 = dev(s0)
+    F.causal_softmax_recompute(ds2, dlse, 0.7)
+    close(ds2, s, dt)
+    F.causal_softmax_recompute(raw, lse, 0.7)  # the CPU's own recomputation agrees too
+    close(ds2, raw, dt)
 
 
-def test_layer_norm_matches_cpu() -> None:
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n,c", [(5, 7), (9, 33), (41, 5)])
+def test_layer_norm_matches_cpu(dt, n, c) -> None:
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((5, 7))
-    w, b = rng.standard_normal((2, 7))
-    dy = rng.standard_normal(x.shape)
-    out, mean, rstd = F.layer_norm(x, w, b, 1e-5)
-    dw, db = np.ones(7), np.ones(7)
-    dx = F.layer_norm_backward(dy, x, w, mean, rstd, dw, db)
+    (x, w, b, dy), (rx, rw, rb, rdy) = inputs(
+        dt, 1.5 + rng.standard_normal((n, c)), 1 + 0.2 * rng.standard_normal(c),
+        rng.standard_normal(c), rng.standard_normal((n, c)))
+    out, mean, rstd = F.layer_norm(rx, rw, rb, 1e-5)
+    dw, db = np.ones(c, rx.dtype), np.ones(c, rx.dtype)
+    dx = F.layer_norm_backward(rdy, rx, rw, mean, rstd, dw, db)
     gout, gmean, grstd = F.layer_norm(dev(x), dev(w), dev(b), 1e-5)
-    gdw, gdb = dev(np.ones(7)), dev(np.ones(7))
+    assert host(gout).dtype == dt and host(gmean).dtype == host(grstd).dtype == stat_dtype(dt)
+    gdw, gdb = dev(np.ones(c, dt)), dev(np.ones(c, dt))
     gdx = F.layer_norm_backward(dev(dy), dev(x), dev(w), gmean, grstd, gdw, gdb)
     for got, ref in [(gout, out), (gmean, mean), (grstd, rstd), (gdx, dx), (gdw, dw),
                      (gdb, db)]:
-        np.testing.assert_allclose(host(got), ref, **TOL)
+        close(got, ref, dt, scale=np.abs(ref).max())
 
 
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_bias_gelu_matches_cpu(with_bias: bool) -> None:
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+@pytest.mark.parametrize("with_bias,n,f", [(True, 9, 33), (False, 9, 33), (True, 41, 5)],
+                         ids=["bias", "nobias", "bias-tall"])
+def test_bias_gelu_matches_cpu(dt, with_bias: bool, n: int, f: int) -> None:
     rng = np.random.default_rng(2)
-    h0 = 2 * rng.standard_normal((3, 9))
-    b = rng.standard_normal(9) if with_bias else None
-    dy = rng.standard_normal(h0.shape)
-    h = h0.copy()
-    y = F.bias_gelu(h, b)
-    db = np.zeros(9)
-    dh = F.bias_gelu_backward(h, dy, db)
+    (h0, b, dy), (h, rb, rdy) = inputs(dt, 2 * rng.standard_normal((n, f)),
+                                       rng.standard_normal(f), rng.standard_normal((n, f)))
+    if not with_bias:
+        b = rb = None
+    y = F.bias_gelu(h, rb)
+    db = np.zeros(f, h.dtype)
+    dh = F.bias_gelu_backward(h, rdy, db)
     gh = dev(h0)
     gy = F.bias_gelu(gh, None if b is None else dev(b))
-    gdb = dev(np.zeros(9))
+    gdb = dev(np.zeros(f, dt))
     gdy = dev(dy)
     gdh = F.bias_gelu_backward(gh, gdy, gdb, inplace=True)
+    assert gdh is gdy
     gdh2, gy2 = F.bias_gelu_backward(gh, dev(dy), output=True)
-    for got, ref in [(gh, h), (gy, y), (gdh, dh), (gdy, dh), (gdb, db), (gdh2, dh), (gy2, y)]:
-        np.testing.assert_allclose(host(got), ref, **TOL)
+    for got, ref in [(gh, h), (gy, y), (gdh, dh), (gdb, db), (gdh2, dh), (gy2, y)]:
+        assert host(got).dtype == dt
+        close(got, ref, dt, scale=np.abs(ref).max())
 
 
-def test_cross_entropy_and_embedding_match_cpu() -> None:
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n,v", [(4, 7), (5, 33)])
+def test_cross_entropy_matches_cpu(dt, n, v) -> None:
     rng = np.random.default_rng(3)
-    z = 3 * rng.standard_normal((4, 6))
-    t = np.array([5, 0, 2, 5])
-    total, lse = F.cross_entropy(z, t)
-    g = F.cross_entropy_backward(z, t, lse, 0.5)
+    (z,), (rz,) = inputs(dt, 3 * rng.standard_normal((n, v)))
+    t = rng.integers(0, v, n)
+    t[0] = v - 1
+    total, lse = F.cross_entropy(rz, t)
+    g = F.cross_entropy_backward(rz, t, lse, 0.5)
     gtotal, glse = F.cross_entropy(dev(z), t)
-    assert gtotal == pytest.approx(total, rel=1e-12)
-    np.testing.assert_allclose(host(glse), lse, **TOL)
-    np.testing.assert_allclose(host(F.cross_entropy_backward(dev(z), dev(t), glse, 0.5)), g,
-                               **TOL)
-    table = np.ones((6, 4))
-    F.embedding_backward(table, t, z[:, :4])
-    gtable = dev(np.ones((6, 4)))
-    F.embedding_backward(gtable, t, dev(z[:, :4]))
-    np.testing.assert_allclose(host(gtable), table, **TOL)
+    assert isinstance(gtotal, float) and host(glse).dtype == stat_dtype(dt)
+    assert gtotal == pytest.approx(total, rel={np.float64: 1e-12, np.float32: 1e-6,
+                                               np.float16: 1e-3}[dt])
+    close(glse, lse, dt, scale=np.abs(lse).max())
+    gg = F.cross_entropy_backward(dev(z), dev(t), glse, 0.5)
+    assert host(gg).dtype == dt
+    close(gg, g, dt, scale=0.5)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+def test_embedding_backward_matches_cpu(dt) -> None:
+    rng = np.random.default_rng(4)
+    (table, dy), (rtable, rdy) = inputs(dt, rng.standard_normal((6, 33)),
+                                        rng.standard_normal((9, 33)))
+    ids = np.array([5, 0, 2, 5, 5, 1, 0, 3, 5])
+    F.embedding_backward(rtable, ids, rdy)
+    gtable = dev(table)
+    F.embedding_backward(gtable, ids, dev(dy))
+    close(gtable, rtable, dt, scale=np.abs(rtable).max())
+
+
+def test_unsupported_dtype_is_named() -> None:
+    with pytest.raises(TypeError, match="dtype=int32"):
+        F.layer_norm(dev(np.ones((2, 3), np.int32)), dev(np.ones(3)), dev(np.ones(3)), 1e-5)
+
+
+# -- outputs are arrays of the input's library ----------------------------------------------
+class HostDeviceArray:
+    """Stands for a CuPy array: a device-array interface (over host memory, which is the
+    simulator's device memory) and an array namespace of its own."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = np.ascontiguousarray(a)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "strides": None,
+                "data": (self.a.ctypes.data, False), "version": 3}
+
+    def __array_namespace__(self, api_version=None):
+        return _NAMESPACE
+
+    shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
+
+
+class _Namespace:
+    __name__ = "hostdevice"
+
+    @staticmethod
+    def empty(shape, dtype=None) -> HostDeviceArray:
+        return HostDeviceArray(np.empty(shape, dtype=dtype))
+
+
+_NAMESPACE = _Namespace()
+
+
+@pytest.mark.parametrize("kind", ["namespace", "numba"])
+def test_outputs_are_of_the_inputs_library(kind) -> None:
+    from mpidist.nn import fused_cuda
+
+    wrap = HostDeviceArray if kind == "namespace" else dev
+    want = HostDeviceArray if kind == "namespace" else type(dev(np.zeros(1)))
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((2, 5, 5)), rng.standard_normal((2, 5, 5))
+    lse = fused_cuda.causal_softmax(wrap(x), 0.5)
+    out, mean, rstd = fused_cuda.layer_norm(wrap(x[0]), wrap(np.ones(5)), wrap(np.zeros(5)),
+                                            1e-5)
+    dx = fused_cuda.layer_norm_backward_dx(wrap(dy[0]), wrap(x[0]), wrap(np.ones(5)), mean,
+                                           rstd)
+    y = fused_cuda.bias_gelu(wrap(x[0]), wrap(np.ones(5)))
+    gdy = wrap(dy[0])
+    same = fused_cuda.bias_gelu_backward(wrap(x[0]), gdy, inplace=True)
+    d2, y2 = fused_cuda.bias_gelu_backward(wrap(x[0]), wrap(dy[0]), output=True)
+    total, zlse = fused_cuda.cross_entropy(wrap(x[0]), np.array([0, 1, 2, 3, 4]))
+    g = fused_cuda.cross_entropy_backward(wrap(x[0]), np.arange(5), zlse, 1.0)
+    for a in (lse, out, mean, rstd, dx, y, same, d2, y2, zlse, g):
+        assert type(a) is want
+    assert same is gdy
+    ref_out, _, _ = F.layer_norm(x[0], np.ones(5), np.zeros(5), 1e-5)
+    np.testing.assert_allclose(host(out), ref_out, rtol=1e-12, atol=1e-13)
