@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from . import arrays
 
 __all__ = [
     "Bucket",
@@ -167,6 +170,8 @@ class FlatBuffer:
         pad_to: the allocation is rounded up to a multiple of this (a group size).
         data: an existing 1-D array to use as storage instead of allocating
             (length at least the padded length); the buffer then views it.
+        device: where to allocate (a :class:`~mpidist.core.arrays.Device`, "cpu" or
+            "cuda"); NumPy on the CPU by default. Ignored with ``data``.
     """
 
     def __init__(
@@ -176,6 +181,7 @@ class FlatBuffer:
         *,
         pad_to: int = 1,
         data: np.ndarray | None = None,
+        device: Any = None,
     ) -> None:
         _check_group(pad_to, "pad_to")
         specs, self.numel = _pack(tensors)
@@ -184,7 +190,7 @@ class FlatBuffer:
         self.specs: dict[str, TensorSpec] = {spec.name: spec for spec in specs}
         length = padded_length(self.numel, self.pad_to)
         if data is None:
-            self.data = np.zeros(length, dtype=self.dtype)
+            self.data = arrays.device(device).zeros(length, self.dtype)
         else:
             if data.ndim != 1 or data.shape[0] < length:
                 raise ValueError(
@@ -235,6 +241,8 @@ class FlatBuffer:
             [(s.name, s.shape) for s in self.specs.values()],
             self.dtype if dtype is None else dtype,
             pad_to=self.pad_to,
+            data=arrays.namespace(self.data).zeros(self.data.shape[0],
+                                                   self.dtype if dtype is None else dtype),
         )
 
     def zero_(self) -> None:

@@ -76,7 +76,10 @@ def _simulated(a: Any) -> Any:
     if cai.get("strides") not in (None, _c_strides(shape, dt.itemsize)):
         raise ValueError(f"device array of strides {cai['strides']} is not C-contiguous")
     count = int(np.prod(shape)) if shape else 1
-    raw = (ctypes.c_byte * (count * dt.itemsize)).from_address(cai["data"][0]) if count else b""
+    if not count:
+        return FakeCUDAArray(np.empty(shape, dtype=dt))
+    raw = (ctypes.c_byte * (count * dt.itemsize)).from_address(cai["data"][0])
+    raw._owner = a  # the view keeps the array whose memory it reads alive
     return FakeCUDAArray(np.frombuffer(raw, dtype=dt, count=count).reshape(shape))
 
 

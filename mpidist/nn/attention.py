@@ -7,6 +7,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from mpidist.core.arrays import namespace
+
 from . import fused as F
 from .layers import GELU, LayerNorm, Linear, positive_int
 from .module import Module
@@ -25,7 +27,7 @@ __all__ = [
 def softmax_lastdim(s: np.ndarray) -> np.ndarray:
     """Numerically stable softmax over the last axis, in place on ``s`` (which is returned)."""
     s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
+    namespace(s).exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return s
 
@@ -48,8 +50,8 @@ _MIN_ROWS = 32
 _MAX_BLOCKS = 4
 
 
-def _edges(t: int) -> list[int]:
-    n = max(1, min(_MAX_BLOCKS, t // _MIN_ROWS))
+def _edges(t: int, host: bool = True) -> list[int]:
+    n = max(1, min(_MAX_BLOCKS, t // _MIN_ROWS)) if host else 1  # a GPU: one product
     return [t * i // n for i in range(n + 1)]
 
 
@@ -58,14 +60,14 @@ def _lower_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[in
     ``[0, edges[i + 1])``; the rest of the block (above the diagonal) is left as it was, for
     the softmax functions, which never read there and write zeros."""
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        np.matmul(a[..., lo:hi, :], b[..., :, :hi], out=out[..., lo:hi, :hi])
+        _product(a[..., lo:hi, :], b[..., :, :hi], out, (Ellipsis, slice(lo, hi), slice(0, hi)))
 
 
 def _lower_left(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int]) -> None:
     """``out = p @ b`` for a lower-triangular ``p`` (..., T, T): row block ``i`` of ``p`` is
     zero from column ``edges[i + 1]`` on."""
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        np.matmul(p[..., lo:hi, :hi], b[..., :hi, :], out=out[..., lo:hi, :])
+        _product(p[..., lo:hi, :hi], b[..., :hi, :], out, (Ellipsis, slice(lo, hi), slice(None)))
 
 
 def _lower_left_t(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int]) -> None:
@@ -73,7 +75,16 @@ def _lower_left_t(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int
     ``p`` is zero above row ``edges[i]``."""
     pt = p.transpose(0, 1, 3, 2)
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        np.matmul(pt[..., lo:hi, lo:], b[..., lo:, :], out=out[..., lo:hi, :])
+        _product(pt[..., lo:hi, lo:], b[..., lo:, :], out, (Ellipsis, slice(lo, hi), slice(None)))
+
+
+def _product(a: np.ndarray, b: np.ndarray, out: np.ndarray, where: tuple) -> None:
+    """``out[where] = a @ b``: into the view itself with NumPy; on a device through a new
+    product (cuBLAS writes whole arrays, and a view of the scores is not one)."""
+    if isinstance(out, np.ndarray):
+        np.matmul(a, b, out=out[where])
+    else:
+        out[where] = namespace(out).matmul(a, b)
 
 
 def keeps_probabilities(t: int, head_dim: int) -> bool:
@@ -102,13 +113,14 @@ def causal_attention(qkv: np.ndarray, n_head: int, *,
     if F.attention_kernel_applies(qkv):
         y, kept = F.attention_forward(qkv, n_head, 1.0 / math.sqrt(d), keep_probabilities)
         return y, (qkv.reshape(b, t, 3, n_head, d), kept)
-    edges = _edges(t)
+    xp = namespace(qkv)
+    edges = _edges(t, xp is np)
     a = qkv.reshape(b, t, 3, n_head, d)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
-    s = np.empty((b, n_head, t, t), dtype=a.dtype)
+    s = xp.empty((b, n_head, t, t), dtype=a.dtype)
     _lower_product(q, k.transpose(0, 1, 3, 2), s, edges)
     lse = F.causal_softmax(s, 1.0 / math.sqrt(d))
-    y = np.empty((b, t, n_head, d), dtype=s.dtype)
+    y = xp.empty((b, t, n_head, d), dtype=s.dtype)
     _lower_left(s, v, y.transpose(0, 2, 1, 3), edges)
     return y.reshape(b, t, n_head * d), (a, s if keep_probabilities else lse)
 
@@ -121,19 +133,20 @@ def causal_attention_backward(dy: np.ndarray, saved: tuple) -> np.ndarray:
     scale = 1.0 / math.sqrt(d)
     if F.attention_kernel_applies(a, dy, kept):
         return F.attention_backward(dy, a.reshape(b, t, 3 * h * d), kept, h, scale)
-    edges = _edges(t)
+    xp = namespace(a)
+    edges = _edges(t, xp is np)
     q, k, v = _heads(a, 0), _heads(a, 1), _heads(a, 2)
     if kept.ndim == 4:
         p = kept
     else:  # log-sum-exp only: the scores again, and the probabilities from them
-        p = np.empty((b, h, t, t), dtype=a.dtype)
+        p = xp.empty((b, h, t, t), dtype=a.dtype)
         _lower_product(q, k.transpose(0, 1, 3, 2), p, edges)
         F.causal_softmax_recompute(p, kept, scale)
     dyh = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)
-    dp = np.empty((b, h, t, t), dtype=dy.dtype)
+    dp = xp.empty((b, h, t, t), dtype=dy.dtype)
     _lower_product(dyh, v.transpose(0, 1, 3, 2), dp, edges)
     F.causal_softmax_backward(p, dp, scale)  # dp <- dS
-    da = np.empty(a.shape, dtype=dp.dtype)
+    da = xp.empty(a.shape, dtype=dp.dtype)
     _lower_left(dp, k, _heads(da, 0), edges)
     _lower_left_t(dp, q, _heads(da, 1), edges)
     _lower_left_t(p, dyh, _heads(da, 2), edges)
@@ -159,7 +172,7 @@ class CausalSelfAttention(Module):
         self.proj = Linear(self.n_embd, self.n_embd, bias, scale=residual_scale(n_layer))
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = np.asarray(x)
+        x = x if hasattr(x, "ndim") else np.asarray(x)
         if x.ndim != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(
                 f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"

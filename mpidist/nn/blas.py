@@ -114,8 +114,10 @@ if AVAILABLE:
 def add_transposed_product(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """``out += a.T @ b`` (``a`` (N, K), ``b`` (N, M), ``out`` (K, M)) as one BLAS call that
     accumulates into ``out`` (no temporary product) where :data:`AVAILABLE` and the three
-    arrays are C-contiguous and of one float dtype; otherwise with NumPy. Not collective."""
-    if (AVAILABLE and out.dtype in SYMBOLS and a.dtype == b.dtype == out.dtype
+    arrays are C-contiguous NumPy arrays of one float dtype; otherwise with the arrays' own
+    library (``a.T @ b``: cuBLAS for CuPy arrays). Not collective."""
+    if (AVAILABLE and all(isinstance(x, np.ndarray) for x in (out, a, b))
+            and out.dtype in SYMBOLS and a.dtype == b.dtype == out.dtype
             and a.ndim == b.ndim == out.ndim == 2 and a.shape[0] == b.shape[0]
             and out.shape == (a.shape[1], b.shape[1])
             and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):

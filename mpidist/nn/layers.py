@@ -3,6 +3,10 @@
 Conventions: the last axis is the feature axis; every leading axis is a batch axis. Outputs
 have the dtype of the bound parameters (float inputs are cast to it), so a float32 model runs
 in float32 end to end. Constants are Python floats so NumPy never promotes float32 arrays.
+
+Arrays are made and combined through the namespace of the bound parameters
+(:func:`mpidist.core.arrays.namespace`): NumPy on the CPU, CuPy on a GPU; a host input of a
+device model is copied to the device on entry.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
+
+from mpidist.core.arrays import as_like, namespace
 
 from . import fused as F
 from .blas import add_transposed_product
@@ -47,18 +53,19 @@ def check_features(x: np.ndarray, n: int, who: str, what: str = "in_features") -
         raise ValueError(f"{who}: input of shape {x.shape} does not end in {what}={n}")
 
 
-def float_input(x: object, dtype: np.dtype, who: str) -> np.ndarray:
-    """``x`` as an array of ``dtype``; ``ValueError`` naming ``who`` if it is not numeric."""
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "fiub":
+def float_input(x: object, like: np.ndarray, who: str) -> np.ndarray:
+    """``x`` as an array of ``like``'s dtype and library (a host ``x`` is copied to the
+    device of a device ``like``); ``ValueError`` naming ``who`` if it is not numeric."""
+    arr = as_like(like, x)
+    if arr.dtype.kind not in "fiub" and arr.dtype != like.dtype:
         raise ValueError(f"{who}: input dtype {arr.dtype} is not numeric")
-    return arr.astype(dtype, copy=False)
+    return arr.astype(like.dtype, copy=False)
 
 
 def check_ids(ids: object, num_embeddings: int, who: str) -> np.ndarray:
     """``ids`` as an integer array; ``ValueError`` naming ``who`` for non-integers or ids
     outside ``[0, num_embeddings)``. Pure."""
-    arr = np.asarray(ids)
+    arr = ids if hasattr(ids, "dtype") and hasattr(ids, "shape") else np.asarray(ids)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{who}: ids must be integers, got dtype {arr.dtype}")
     if arr.size:
@@ -110,7 +117,7 @@ class Linear(Module):
         ``keep_input=False`` keeps nothing for backward: the caller recomputes the input and
         calls :meth:`input_grad` and :meth:`accumulate_grad` instead."""
         w = self.param("weight")
-        x = float_input(x, w.dtype, self.name)
+        x = float_input(x, w, self.name)
         check_features(x, self.in_features, self.name)
         y = matmul_rows(x, w)
         if self.has_bias and add_bias:
@@ -203,7 +210,7 @@ class Embedding(Module):
 
     def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        arr = check_ids(ids, self.num_embeddings, self.name)
+        arr = as_like(w, check_ids(ids, self.num_embeddings, self.name))
         self._save(ctx, arr)
         return w[arr]
 
@@ -247,7 +254,7 @@ class LayerNorm(Module):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        x = float_input(x, w.dtype, self.name)
+        x = float_input(x, w, self.name)
         check_features(x, self.dim, self.name, "dim")
         x2 = x.reshape(-1, self.dim)
         out, mean, rstd = F.layer_norm(x2, w, self.param("bias"), self.eps)
@@ -296,9 +303,8 @@ class GELU(Module):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None, *,
                 bias: np.ndarray | None = None) -> np.ndarray:
-        x = np.asarray(x)
         h = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-        if bias is not None and not np.shares_memory(h, x):
+        if bias is not None and not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: a bias needs a contiguous input to add it in place")
         y = F.bias_gelu(h, bias)
         self._save(ctx, h)
@@ -326,7 +332,6 @@ class ReLU(Module):
     """``max(x, 0)``."""
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = np.asarray(x)
         mask = x > 0
         self._save(ctx, mask)
         return x * mask
@@ -339,7 +344,7 @@ class Tanh(Module):
     """``tanh(x)``."""
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        y = np.tanh(np.asarray(x))
+        y = namespace(x).tanh(x)
         self._save(ctx, y)
         return y
 
@@ -382,14 +387,13 @@ class Dropout(Module):
         self._rng = None
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = np.asarray(x)
         if not self.training or self.p == 0.0:
             self._save(ctx, None)
             return x
         if self._rng is None:
             self._rng = init_generator(f"{self.prefix}dropout", self.seed)
         keep = self._rng.random(x.shape) >= self.p
-        mask = keep.astype(x.dtype)
+        mask = as_like(x, keep).astype(x.dtype)
         mask *= 1.0 / (1.0 - self.p)
         self._save(ctx, mask)
         return x * mask

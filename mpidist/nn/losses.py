@@ -13,6 +13,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from mpidist.core.arrays import as_like, namespace
+
 from . import fused as F
 from .module import Module
 
@@ -30,7 +32,8 @@ def resolve_normalizer(normalizer: float | None, count: int) -> float:
 def check_targets(targets: object, logits_shape: tuple[int, ...], n_classes: int) -> np.ndarray:
     """``targets`` as an integer array shaped like the logits without their last axis, with
     values in ``[0, n_classes)``; ValueError naming the bad shape, dtype or value. Pure."""
-    targets = np.asarray(targets)
+    if not hasattr(targets, "dtype"):
+        targets = np.asarray(targets)
     if targets.shape != logits_shape[:-1]:
         raise ValueError(
             f"targets of shape {targets.shape} do not match logits of shape {logits_shape}"
@@ -54,14 +57,14 @@ class CrossEntropyLoss(Module):
 
     def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        logits = np.asarray(logits)
+        logits = logits if hasattr(logits, "dtype") else np.asarray(logits)
         if logits.dtype.kind != "f" or logits.ndim < 1:
             raise ValueError(f"logits of shape {logits.shape}, dtype {logits.dtype} are not float")
         v = logits.shape[-1]
         targets = check_targets(targets, logits.shape, v)
         norm = resolve_normalizer(normalizer, targets.size)
         z = logits.reshape(-1, v)
-        t = targets.reshape(-1)
+        t = as_like(z, targets.reshape(-1))
         total, lse = F.cross_entropy(z, t)
         # Keeps the logits (not the probabilities): backward recomputes them from the
         # log-sum-exp, so the logits must not be changed in place before backward.
@@ -84,10 +87,10 @@ class MSELoss(Module):
 
     def forward(self, pred: np.ndarray, target: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        pred = np.asarray(pred)
+        pred = pred if hasattr(pred, "dtype") else np.asarray(pred)
         if pred.dtype.kind != "f":
             raise ValueError(f"predictions of dtype {pred.dtype} are not float")
-        target = np.asarray(target)
+        target = as_like(pred, target)
         if target.shape != pred.shape:
             raise ValueError(
                 f"target of shape {target.shape} does not match predictions of shape {pred.shape}"
@@ -97,7 +100,7 @@ class MSELoss(Module):
         norm = resolve_normalizer(normalizer, n_samples)
         diff = pred - target.astype(pred.dtype, copy=False)
         self._save(ctx, (diff, norm * n_features))
-        return float(np.sum(diff * diff, dtype=np.float64)) / (norm * n_features)
+        return float(namespace(diff).sum(diff * diff, dtype=np.float64)) / (norm * n_features)
 
     def backward(self, dy: float = 1.0, ctx: Hashable = None) -> np.ndarray:  # type: ignore[override]
         """Gradient of ``dy * loss`` with respect to the predictions (``dy`` defaults to 1)."""

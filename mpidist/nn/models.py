@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpidist.core.arrays import to_host
+
 from .attention import Block
 from .blas import add_transposed_product
 from .layers import Dense, Dropout, Embedding, LayerNorm, ModuleList, matmul_rows, positive_int
@@ -118,7 +120,7 @@ class GPTEmbedding(Module):
         self.drop = Dropout(config.dropout) if config.dropout > 0 else None
 
     def forward(self, idx: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        idx = np.asarray(idx)
+        idx = idx if hasattr(idx, "ndim") else np.asarray(idx)
         if idx.ndim != 2:
             raise ValueError(f"token ids of shape {idx.shape} are not (batch, time)")
         t = idx.shape[1]
@@ -248,7 +250,7 @@ class GPT(SequentialModel):
         try:
             for _ in range(int(max_new_tokens)):
                 cond = out[:, -self.config.block_size :]
-                logits = self.forward(cond, ctx)[:, -1, :].astype(np.float64)
+                logits = to_host(self.forward(cond, ctx)[:, -1, :]).astype(np.float64)
                 if temperature <= 0:
                     nxt = logits.argmax(axis=-1)
                 else:

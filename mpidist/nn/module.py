@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from mpidist.core.arrays import as_like, is_floating
 from mpidist.core.buffers import FlatBuffer
 
 from .init import init_value
@@ -210,8 +211,9 @@ class Module:
                 shape = mod._shape_of(local)
                 p = _lookup(params, full, shape, "parameter")
                 g = None if grads is None else _lookup(grads, full, shape, "gradient")
-                if g is not None and g.dtype != p.dtype:
-                    raise ValueError(
+                if g is not None and g.dtype != p.dtype and not (
+                        p.dtype.itemsize == 2 and g.dtype == np.float32):
+                    raise ValueError(  # mixed precision: 16-bit parameters, float32 gradients
                         f"gradient {full!r} has dtype {g.dtype} but the parameter has {p.dtype}"
                     )
                 plan.append((mod, local, p, g))
@@ -286,23 +288,24 @@ class Module:
         for mod in self.modules():
             for spec in mod._specs.values():
                 arr = mod.param(spec.name)
-                arr[...] = init_value(
-                    f"{mod.prefix}{spec.name}", spec.shape, seed, spec.kind, arr.dtype,
-                    scale=spec.scale,
-                )
+                value = init_value(f"{mod.prefix}{spec.name}", spec.shape, seed, spec.kind,
+                                   arr.dtype, scale=spec.scale)
+                arr[...] = as_like(arr, value)
 
     def build(
-        self, dtype: np.dtype | type = np.float64, seed: int = 0, *, pad_to: int = 1
+        self, dtype: np.dtype | type = np.float64, seed: int = 0, *, pad_to: int = 1,
+        device: Any = None,
     ) -> tuple[FlatBuffer, FlatBuffer]:
         """Allocate parameter and gradient buffers, bind them and initialise the parameters.
 
         Returns ``(params, grads)``: two :class:`FlatBuffer` with the layout of
-        :meth:`named_parameter_shapes`; the gradient buffer starts at zero.
+        :meth:`named_parameter_shapes`; the gradient buffer starts at zero. ``device``
+        ("cpu", "cuda" or a :class:`~mpidist.core.arrays.Device`) says where they live.
         """
         dt = np.dtype(dtype)
         if dt.kind != "f":
             raise ValueError(f"dtype={dt} must be a floating-point type")
-        params = FlatBuffer(self.named_parameter_shapes(), dt, pad_to=pad_to)
+        params = FlatBuffer(self.named_parameter_shapes(), dt, pad_to=pad_to, device=device)
         grads = params.like()
         self.bind(params.views(), grads.views())
         self.init_parameters(seed)
@@ -443,10 +446,10 @@ def _lookup(
         arr = arrays[full]
     except KeyError:
         raise ValueError(f"{what} {full!r} is missing from the arrays given to bind") from None
-    if not isinstance(arr, np.ndarray):
-        raise ValueError(f"{what} {full!r} must be a numpy array, got {type(arr).__name__}")
+    if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+        raise ValueError(f"{what} {full!r} must be an array, got {type(arr).__name__}")
     if tuple(arr.shape) != shape:
         raise ValueError(f"{what} {full!r} has shape {tuple(arr.shape)}, expected {shape}")
-    if arr.dtype.kind != "f":
+    if not is_floating(arr.dtype):
         raise ValueError(f"{what} {full!r} has dtype {arr.dtype}, expected a float type")
     return arr

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core.arrays import as_like, namespace
 
 from . import fused as F
 from .init import fan_in_bound, init_value
@@ -171,7 +172,7 @@ class TensorParallelModule(Module):
                 part, full_shape = parts.get(spec.name, (None, spec.shape))
                 full = init_value(f"{mod.prefix}{spec.name}", full_shape, seed, spec.kind,
                                   arr.dtype, scale=spec.scale)
-                arr[...] = full if part is None else part.take(full)
+                arr[...] = as_like(arr, full if part is None else part.take(full))
 
     def tp_partition(self, name: str) -> TPPartition | None:
         """This rank's slice of parameter ``name`` (full dotted name), or None if replicated."""
@@ -300,7 +301,7 @@ class RowParallelLinear(Linear, TensorParallelModule):
                 keep_input: bool = True) -> np.ndarray:
         _no_deferred_bias(self, add_bias, self.act is not None)
         if self.scatter is not None:
-            x = self.scatter.forward(np.asarray(x), ctx)
+            x = self.scatter.forward(x if hasattr(x, "dtype") else np.asarray(x), ctx)
         y = super().forward(x, ctx, add_bias=False, keep_input=keep_input)
         y = self.reduce_out.forward(y, ctx)
         if self.has_bias and add_bias:
@@ -348,9 +349,9 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def forward(self, ids: np.ndarray, ctx: Hashable = None) -> np.ndarray:
         w = self.param("weight")
-        arr = check_ids(ids, self.num_embeddings, self.name)
+        arr = as_like(w, check_ids(ids, self.num_embeddings, self.name))
         mine = (arr >= self.lo) & (arr < self.hi)
-        local = np.where(mine, arr - self.lo, 0)
+        local = namespace(w).where(mine, arr - self.lo, 0)
         y = w[local]
         y[~mine] = 0
         self._save(ctx, (local, mine))
@@ -448,35 +449,38 @@ class VocabParallelCrossEntropy(Module):
 
     def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        logits = np.asarray(logits)
+        logits = logits if hasattr(logits, "dtype") else np.asarray(logits)
+        xp = namespace(logits)
         vl = self.hi - self.lo
         if logits.dtype.kind != "f" or logits.shape[-1:] != (vl,):
             raise ValueError(f"logits of shape {logits.shape} are not this rank's {vl} classes")
         targets = check_targets(targets, logits.shape, self.vocab_size)
         norm = resolve_normalizer(normalizer, targets.size)
         z = logits.reshape(-1, vl)
+        if z.dtype.itemsize == 2:  # 16-bit logits (mixed precision): the softmax in float32
+            z = z.astype(np.float32)
         m = z.max(axis=-1)
         C.allreduce(m, "max", comm=self.comm)
         z = z - m[:, None]
-        p = np.exp(z)
-        t = targets.reshape(-1) - self.lo
+        p = xp.exp(z)
+        t = as_like(z, targets.reshape(-1)) - self.lo
         mine = (t >= 0) & (t < vl)
-        tl = np.where(mine, t, 0)
-        rows = np.arange(t.size)
-        sums = np.stack([p.sum(axis=-1), np.where(mine, z[rows, tl], 0.0)])
+        tl = xp.where(mine, t, 0)
+        rows = xp.arange(t.size)
+        sums = xp.stack([p.sum(axis=-1), xp.where(mine, z[rows, tl], 0.0)])
         C.allreduce(sums, "sum", comm=self.comm)
         s, zt = sums[0], sums[1]
-        nll = np.log(s) - zt
+        nll = xp.log(s) - zt
         p /= s[:, None]
-        self._save(ctx, (p, tl, mine, norm, logits.shape))
-        return float(np.sum(nll, dtype=np.float64)) / norm
+        self._save(ctx, (p, tl, mine, norm, logits.shape, logits.dtype))
+        return float(xp.sum(nll, dtype=np.float64)) / norm
 
     def backward(self, dy: float = 1.0, ctx: Hashable = None) -> np.ndarray:  # type: ignore[override]
-        p, tl, mine, norm, shape = self._take(ctx)
-        rows = np.arange(tl.size)
+        p, tl, mine, norm, shape, dtype = self._take(ctx)
+        rows = namespace(p).arange(tl.size)
         p[rows[mine], tl[mine]] -= 1.0
         p *= float(dy) / norm
-        return p.reshape(shape)
+        return p.reshape(shape).astype(dtype, copy=False)
 
 
 # -- applying a plan ------------------------------------------------------------------------

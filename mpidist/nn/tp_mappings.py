@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core.arrays import namespace
 
 from .module import Module
 
@@ -55,7 +56,7 @@ def even_split(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
 
 # -- the four mappings ----------------------------------------------------------------------
 def _allreduce_copy(x: np.ndarray, comm: Any) -> np.ndarray:
-    out = np.array(x, copy=True, order="C")
+    out = namespace(x).array(x, copy=True, order="C")
     C.allreduce(out, "sum", comm=comm)
     return out
 
@@ -65,16 +66,18 @@ def _split_last(x: np.ndarray, comm: Any) -> np.ndarray:
     if size == 1:
         return x
     lo, hi = even_split(x.shape[-1], size, rank, "last dim")
-    return np.ascontiguousarray(x[..., lo:hi])
+    return namespace(x).ascontiguousarray(x[..., lo:hi])
 
 
 def _gather_last(x: np.ndarray, comm: Any) -> np.ndarray:
     size, _ = tp_group(comm)
     if size == 1:
         return x
-    x = np.ascontiguousarray(x)
-    g = C.allgather(x.reshape(-1), comm=comm).reshape((size, *x.shape))
-    return np.concatenate(list(g), axis=-1)
+    xp = namespace(x)
+    x = xp.ascontiguousarray(x)
+    g = C.allgather(x.reshape(-1), comm=comm, out=xp.empty(size * x.size, dtype=x.dtype))
+    g = g.reshape((size, *x.shape))
+    return xp.concatenate([g[r] for r in range(size)], axis=-1)
 
 
 class _Mapping(Module):
