@@ -115,8 +115,12 @@ warm: setup
 test-serial: setup
 	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests
 
+# The CUDA kernels and the engine's device path (a fake device array type) under Numba's
+# simulator, then the device collectives and pipeline messages at two ranks.
 test-cudasim: setup
 	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests
+	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n 2 $(PY) -m pytest --with-mpi \
+	  -m cudasim -q --color=no -p no:cacheprovider tests/parallel/test_device.py -k "follow_the_cpu or zero3 or checkpoint"
 
 test-mpi: warm
 	$(call MPIRUN_TESTS,2)

@@ -38,6 +38,7 @@ from mpidist.checkpoint.io import (
     read_pieces,
     save_checkpoint,
 )
+from mpidist.core.arrays import is_host, namespace, to_host
 
 __all__ = ["load_training", "save_training", "training_tensors"]
 
@@ -80,6 +81,21 @@ def _pieces(opt: Any, *, for_writing: bool, strategy_state: bool = True) -> list
     return out
 
 
+def _on_host(pieces: list[Piece]) -> tuple[list[Piece], list[tuple[Any, np.ndarray]]]:
+    """The pieces with device data replaced by host arrays (copies of it), and the
+    ``(device array, host array)`` pairs to copy back after a read. The file format does
+    not change with the device: a checkpoint written on a GPU loads on the CPU and back."""
+    out, back = [], []
+    for p in pieces:
+        if is_host(p.data):
+            out.append(p)
+            continue
+        host = to_host(p.data)
+        out.append(Piece(p.name, p.flat, host))
+        back.append((p.data, host))
+    return out, back
+
+
 def save_training(directory: str, opt: Any, *, step: int, keep: int | None = None,
                   comm: Any = None, extra: dict[str, Any] | None = None,
                   path: str | None = None) -> str:
@@ -104,9 +120,11 @@ def save_training(directory: str, opt: Any, *, step: int, keep: int | None = Non
         "strategy_state": state,
         "extra": extra or {},
     }
+    if getattr(opt, "scaler", None) is not None:
+        attrs["loss_scale"] = opt.scaler.state_dict()
     target = path if path is not None else checkpoint_path(directory, step)
-    return save_checkpoint(target, training_tensors(opt), _pieces(opt, for_writing=True), attrs,
-                           comm=comm, keep=keep)
+    pieces, _ = _on_host(_pieces(opt, for_writing=True))
+    return save_checkpoint(target, training_tensors(opt), pieces, attrs, comm=comm, keep=keep)
 
 
 def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
@@ -133,11 +151,19 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
     use = _has_state(opt) and opt.prepare_strategy_state(attrs.get("strategy_state") or None)
     # Another strategy's state in the file is not an error: this strategy starts afresh.
     strict = use or not any(n.startswith("strategy/") for n in stored)
-    read_pieces(path, _pieces(opt, for_writing=False, strategy_state=use), comm=comm,
-                expected=training_tensors(opt, strategy_state=use), strict=strict,
-                verify=verify)
+    pieces, back = _on_host(_pieces(opt, for_writing=False, strategy_state=use))
+    read_pieces(path, pieces, comm=comm, expected=training_tensors(opt, strategy_state=use),
+                strict=strict, verify=verify)
+    for device_array, host in back:
+        device_array[...] = namespace(device_array).asarray(host)
     if use:
         opt.finish_strategy_state()
+    scaler = getattr(opt, "scaler", None)  # fp16's loss scale continues where it was
+    if scaler is not None and attrs.get("loss_scale"):
+        scaler.load_state_dict(attrs["loss_scale"])
+    refresh = getattr(_model(opt), "sync_compute_parameters", None)  # mixed precision
+    if refresh is not None:
+        refresh()
     opt.restore_position(int(attrs["step"]), int(attrs.get("steps_taken", attrs["step"])),
                          attrs.get("data"))
     return attrs

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mpidist.core import arrays
 from mpidist.optim import kernels
 
 __all__ = ["Optimizer", "OptimizerState"]
@@ -141,10 +142,12 @@ class Optimizer:
     def _initial_value(self, name: str) -> float:
         return 0.0
 
-    def init_state(self, n_or_param: Any, *, dtype: Any = None) -> OptimizerState:
-        """A fresh state for a shard: ``n_or_param`` is the shard length (buffers on the host,
-        ``dtype`` default float64) or the parameter shard itself (its length, dtype and
-        device; ``dtype`` must then be None or equal). Not collective."""
+    def init_state(self, n_or_param: Any, *, dtype: Any = None, device: Any = None
+                   ) -> OptimizerState:
+        """A fresh state for a shard: ``n_or_param`` is the shard length (buffers on
+        ``device``, the host by default, ``dtype`` default float64) or the parameter shard
+        itself (its length, dtype and device; ``dtype`` must then be None or equal). Not
+        collective."""
         owner = type(self).__name__
         if isinstance(n_or_param, (numbers.Integral, np.integer)) and not isinstance(
             n_or_param, (bool, np.bool_)
@@ -153,7 +156,7 @@ class Optimizer:
             if n < 0:
                 raise ValueError(f"{owner}: shard length n={n} must be >= 0")
             dt = np.dtype(np.float64 if dtype is None else dtype)
-            device = False
+            xp = arrays.device(device).xp
         else:
             shape = getattr(n_or_param, "shape", None)
             if shape is None or len(shape) != 1:
@@ -165,16 +168,16 @@ class Optimizer:
             dt = np.dtype(n_or_param.dtype)
             if dtype is not None and np.dtype(dtype) != dt:
                 raise ValueError(f"{owner}: dtype={np.dtype(dtype)} but the parameter is {dt}")
-            device = kernels.is_device_array(n_or_param)
+            xp = _library(n_or_param)
         if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"{owner}: dtype {dt} is not float32 or float64")
         buffers: dict[str, Any] = {}
         for key in self.state_names():
             value = self._initial_value(key)
-            if device:
+            if xp is None:  # a Numba device array: Numba device buffers
                 buffers[key] = kernels.device_module().full(n, value, dt)
             else:
-                buffers[key] = np.full(n, value, dtype=dt)
+                buffers[key] = xp.full(n, value, dtype=dt)
         return OptimizerState(step=0, buffers=buffers)
 
     def state_to_dict(self, state: OptimizerState) -> StateDict:
@@ -260,3 +263,11 @@ class Optimizer:
         """The kernel call of :meth:`update`; ``grad_scale`` is already negated for
         ``maximize``."""
         raise NotImplementedError
+
+
+def _library(param: Any) -> Any:
+    """The array namespace of a parameter shard; None for a Numba device array (which has
+    none: its state buffers are Numba device arrays too)."""
+    if kernels.is_device_array(param) and hasattr(param, "copy_to_host"):
+        return None  # (the simulator's arrays pass __array_namespace__ on to NumPy's)
+    return arrays.namespace(param)

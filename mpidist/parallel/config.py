@@ -9,11 +9,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RECOMPUTE", "ShardingConfiguration"]
+__all__ = ["PRECISIONS", "RECOMPUTE", "ShardingConfiguration"]
 
 _DTYPES = ("float32", "float64")
 #: activation checkpointing choices
 RECOMPUTE = ("none", "blocks")
+#: ``precision`` choices (``--precision``)
+PRECISIONS = ("full", "mixed-bf16", "mixed-fp16")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,14 @@ class ShardingConfiguration:
         virtual_stages: model chunks per pipeline stage (the interleaved schedule): the
             units are cut into ``pp * virtual_stages`` virtual stages and stage ``s`` holds
             chunks ``c * pp + s``; 1 for every other schedule.
+        device: where parameters, gradients, optimizer state and activations live: "cpu"
+            (NumPy), "cuda" (CuPy, on GPU ``local rank % GPUs``), "cuda:N", or a
+            :class:`~mpidist.core.arrays.Device`. Not recorded in checkpoints: a run
+            written on one device resumes on another.
+        precision: "full" (everything in ``dtype``) or mixed precision, "mixed-bf16" or
+            "mixed-fp16": parameters and activations in 16 bits for compute, float32
+            master weights in the optimizer (``dtype`` must be float32), gradients reduced
+            in float32, and for fp16 dynamic loss scaling.
     """
 
     mesh: Any = None
@@ -54,6 +64,8 @@ class ShardingConfiguration:
     prefetch: bool = True
     recompute: str = "none"
     virtual_stages: int = 1
+    device: Any = "cpu"
+    precision: str = "full"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ShardingConfiguration:
         known = [f.name for f in fields(cls)]
@@ -85,6 +97,14 @@ class ShardingConfiguration:
         v = self.virtual_stages
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"virtual_stages={v!r} must be a positive integer")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {PRECISIONS}")
+        if self.precision != "full" and dt != "float32":
+            raise ValueError(f"precision={self.precision!r} keeps float32 master weights: "
+                             f"dtype={dt!r} must be 'float32'")
+        if not isinstance(self.device, str) and not hasattr(self.device, "xp"):
+            raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or a "
+                             "Device")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         for name in ("overlap", "auto_sync_gradients", "prefetch"):
@@ -117,4 +137,5 @@ class ShardingConfiguration:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields except the mesh, as plain values (for checkpoint attributes)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("mesh", "device")}

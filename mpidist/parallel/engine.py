@@ -35,6 +35,7 @@ from mpidist.parallel.loop import run_steps
 from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule
 from mpidist.parallel.placement import LEVEL_NAMES, LEVELS
+from mpidist.parallel.precision import LossScaler, ScaledLoss
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 from mpidist.parallel.training_state import TrainingStateMixin
 
@@ -131,6 +132,12 @@ class ShardedOptimizer(TrainingStateMixin):
 
             loss = CrossEntropyLoss()
         self.loss = loss
+        #: fp16's dynamic loss scale (None in full precision and with bfloat16)
+        self.scaler = LossScaler() if self.config.precision == "mixed-fp16" else None
+        if self.scaler is not None and type(self.hook).step is not GradientHook.step:
+            raise ValueError(f"precision='mixed-fp16' scales the loss in the synchronous "
+                             f"step; the {self.hook.name} hook runs its own step: use "
+                             "mixed-bf16 (no loss scale) or full precision")
         self.lr_schedule = lr_schedule
         self.model: ShardedModel | None = None
         self.state: OptimizerState | None = None
@@ -198,7 +205,8 @@ class ShardedOptimizer(TrainingStateMixin):
         self.model = model
         self.hook = model.hook
         self.hook.opt = self
-        self.state = self.base.init_state(model.state_size, dtype=model.dtype)
+        self.state = self.base.init_state(model.state_size, dtype=model.dtype,
+                                          device=model.device)
         self._bind_pieces()
 
     def _bind_pieces(self) -> None:
@@ -284,12 +292,14 @@ class ShardedOptimizer(TrainingStateMixin):
         t1 = time.perf_counter()
         model.finish_gradient_sync()
         t2 = time.perf_counter()
-        scale = 1.0
-        if self.config.max_grad_norm is not None:
-            scale = self.clip_factor(float(np.sqrt(model.grad_sq_norm())))
-        self.apply_update(scale)
+        scale, skip = self._unscale(model)
+        if self.config.max_grad_norm is not None and not skip:
+            scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
+        if not skip:
+            self.apply_update(scale)
         t3 = time.perf_counter()
-        model.after_update()
+        if not skip:
+            model.after_update()
         loss = self.global_loss(model, local_loss)
         t4 = time.perf_counter()
         self.step_count += 1
@@ -309,12 +319,13 @@ class ShardedOptimizer(TrainingStateMixin):
         m = self.config.micro_batches
         cuts = split_points(b, m)
         model.zero_grad()
+        model.sync_compute_parameters()
         self.batch_share = (self._count(y, self.loss), normalizer)
         xs = [x[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)]
         ys = [y[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)]
         if model.pp_size > 1:
             return self._run_pipeline(model, xs, ys, normalizer=normalizer)
-        loss = model.stage_loss(self.loss)
+        loss = self._stage_loss(model)
         local_loss = 0.0
         for i in range(m):
             with model.sync_context(last=i == m - 1):
@@ -350,8 +361,8 @@ class ShardedOptimizer(TrainingStateMixin):
                 model.backward_weight(ctx=i)
 
         runner = PipelineStage(forward, backward, comm=model.pp_comm,
-                               loss=model.stage_loss(self.loss), backward_weight=weight,
-                               virtual_stages=len(model.chunks))
+                               loss=self._stage_loss(model), backward_weight=weight,
+                               virtual_stages=len(model.chunks), xp=model.xp)
         total = runner.run(inputs, targets, schedule=self.schedule, normalizer=normalizer,
                            train=train)
         if train:
@@ -360,6 +371,20 @@ class ShardedOptimizer(TrainingStateMixin):
             model.clear_cache()
             model.stage_loss(self.loss).clear_cache()
         return total
+
+    def _stage_loss(self, model: ShardedModel) -> Any:
+        loss = model.stage_loss(self.loss)
+        return loss if self.scaler is None else ScaledLoss(loss, self.scaler)
+
+    def _unscale(self, model: ShardedModel) -> tuple[float, bool]:
+        """``(1/S, skip)``: the factor that undoes this step's loss scale ``S``, and
+        whether the step is skipped (its gradients hold an inf or NaN: the scale backs
+        off). ``(1.0, False)`` without loss scaling. Collective over the mesh."""
+        if self.scaler is None:
+            return 1.0, False
+        used = self.scaler.scale
+        bad = self.scaler.found_nonfinite([g for _, g, _ in self.pieces], model.mesh.comm)
+        return 1.0 / used, self.scaler.update(bad)
 
     def lr(self) -> float | None:
         """This step's learning rate from the schedule (None: the optimizer's own)."""
@@ -440,6 +465,7 @@ class ShardedOptimizer(TrainingStateMixin):
         from mpidist.data import GlobalBatchSampler
 
         model = self._resolve(model)
+        model.sync_compute_parameters()
         sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
         loss = model.stage_loss(self.loss)
         total = np.zeros(1)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core.arrays import namespace
 from mpidist.parallel.exchange import CountingComm, RequestChain, iallreduce
 
 __all__ = ["AllReduce", "AsyncSGD", "GradientHook", "LocalSGD", "RankState", "ReduceScatter",
@@ -274,7 +275,7 @@ class ReduceScatter(GradientHook):
     def start_scatter(self, i: int, g: np.ndarray) -> Any:
         n = self.model.shard_size
         return C.ireduce_scatter(g, "sum", comm=self.comm,
-                                 out=np.empty(g.size // n, dtype=g.dtype))
+                                 out=namespace(g).empty(g.size // n, dtype=g.dtype))
 
 
 def default_hook(level: int) -> GradientHook:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core import arrays
 from mpidist.core import collectives as C
 from mpidist.core.buffers import Bucket
 from mpidist.core.comms import world
@@ -37,6 +38,7 @@ from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.pipeline import BALANCES, cut_virtual_stages
 from mpidist.parallel.placement import Placement
+from mpidist.parallel.precision import compute_dtype, iallgather_any
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
@@ -192,8 +194,10 @@ class ShardedModel(StageChunks):
         self._allocate()
         if initialize:
             self._initialize()
+        self.sync_compute_parameters()
         self._bind()
-        self._norm_mask = self.placement.norm_mask(self.dtype) if self._is_3d else None
+        self._norm_mask = self.device.asarray(self.placement.norm_mask(self.dtype)) \
+            if self._is_3d else None
         self.hook.bind(self, self.pieces)
 
     # -- construction -------------------------------------------------------------------------
@@ -238,6 +242,10 @@ class ShardedModel(StageChunks):
     def _make_mesh(self, comm: Any) -> None:
         from mpidist.core.mesh import ProcessMesh
 
+        self.device = arrays.device(self.config.device, comm=comm)
+        self.xp = self.device.xp  # and the layers' 16-bit dtype under mixed precision:
+        self.compute_dtype = compute_dtype(self.config.precision, self.xp)
+
         self._owns_mesh = self.config.mesh is None
         self.mesh = self.config.mesh if self.config.mesh is not None else ProcessMesh(
             comm, pp=self.pp_size, tp=self.tp_size, dp=self.dp_size)
@@ -270,12 +278,17 @@ class ShardedModel(StageChunks):
     def _allocate(self) -> None:
         lay, dt = self.layout, self.dtype
         if self.level < 3:
-            self.params = np.zeros(lay.full_size, dtype=dt)
+            self.params = self.xp.zeros(lay.full_size, dtype=dt)
         else:
-            self.param_shard = np.zeros(lay.local_size, dtype=dt)
+            self.param_shard = self.xp.zeros(lay.local_size, dtype=dt)
         self.memory["parameters"] = self.parameter_storage.nbytes
+        # Mixed precision: the layers run with a 16-bit copy of the master weights above.
+        self._compute: Any = self.parameter_storage
+        if self.compute_dtype is not None:
+            self._compute = self.xp.empty(self.parameter_storage.size, dtype=self.compute_dtype)
+            self.memory["parameters"] += self._compute.nbytes
         if self.level < 2:
-            self.grads = np.zeros(lay.full_size, dtype=dt)
+            self.grads = self.xp.zeros(lay.full_size, dtype=dt)
             self.memory["gradients"] = self.grads.nbytes
             self.buckets = lay.buckets(self.config.bucket_bytes, dt.itemsize)
             # A bucket is final once the lowest-indexed unit using any of its tensors has run
@@ -286,7 +299,7 @@ class ShardedModel(StageChunks):
             self.pieces = self.buckets
             self._pending: dict[int, Any] = {}
         else:
-            self.grad_shard = np.zeros(lay.local_size, dtype=dt)
+            self.grad_shard = self.xp.zeros(lay.local_size, dtype=dt)
             self.memory["gradients"] = self.grad_shard.nbytes
             self.pieces = [Bucket(s.index, s.full_offset, s.full_offset + s.padded, s.names)
                            for s in lay.units]
@@ -294,7 +307,7 @@ class ShardedModel(StageChunks):
 
     def _init_unit(self, u: int) -> np.ndarray:
         """The unit's full padded initial values (made on every rank, identically)."""
-        buf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+        buf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
         unit = self.units[u]
         unit.bind(self.layout.unit_views(u, buf), None)
         unit.init_parameters(self.seed)
@@ -332,7 +345,7 @@ class ShardedModel(StageChunks):
         """Bind the units to the storage that stays bound (none at level 3)."""
         if self.level == 3:
             return
-        pviews = self.layout.full_views(self.params)
+        pviews = self.layout.full_views(self._compute)
         gviews = self.layout.full_views(self.grads) if self.level < 2 else None
         for unit in self.units:
             unit.bind(pviews, gviews)
@@ -438,10 +451,15 @@ class ShardedModel(StageChunks):
 
     # -- forward and backward ---------------------------------------------------------------
     def _gather(self, u: int) -> Any:
-        buf = np.empty(self.layout.units[u].padded, dtype=self.dtype)
+        buf = self.xp.empty(self.layout.units[u].padded, dtype=self._compute.dtype)
         self._track(buf.nbytes)
-        return C.iallgather(self.layout.unit_local(u, self.param_shard), comm=self.shard_comm,
-                            out=buf)
+        return iallgather_any(self.layout.unit_local(u, self._compute), buf, comm=self.shard_comm)
+
+    def sync_compute_parameters(self) -> None:
+        """Mixed precision: copy the master weights into the 16-bit copy the layers run with
+        (the engine does before each step and evaluation). Not collective."""
+        if self.compute_dtype is not None:
+            self._compute[...] = self.parameter_storage
 
     def _release(self, u: int, buf: np.ndarray) -> None:
         self.units[u].unbind()
@@ -529,8 +547,8 @@ class ShardedModel(StageChunks):
                     pending = self._gather(u - 1)
                 pviews = self.layout.unit_views(u, buf)
             else:
-                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
-            gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self._compute))
+            gbuf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
             self._track(gbuf.nbytes)
             self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
             dy = self._unit_backward(u, dy, ctx)
@@ -582,13 +600,13 @@ class ShardedModel(StageChunks):
             for u in range(len(self.layout.units)):
                 g = self._local_grad(u)
                 w = self.layout.unit_local(u, self._norm_mask)
-                total += float(np.dot(g * w, g))
+                total += float(self.xp.dot(g * w, g))
             buf = np.array([total])
             C.allreduce(buf, "sum", comm=self.mesh.comm)
             return float(buf[0])
         if self.level < 2:  # synchronised gradients are whole on every rank
-            return float(np.dot(self.grads, self.grads))
-        total_ = np.array([float(np.dot(self.grad_shard, self.grad_shard))])
+            return float(self.xp.dot(self.grads, self.grads))
+        total_ = np.array([float(self.xp.dot(self.grad_shard, self.grad_shard))])
         C.allreduce(total_, "sum", comm=self.shard_comm)
         return float(total_[0])
 
@@ -636,9 +654,10 @@ class ShardedModel(StageChunks):
         """Take this rank's part of global parameter arrays. Not collective."""
         full = self.placement.local_full(params, self.dtype)
         if self.level < 3:
-            self.params[...] = full
+            self.params[...] = self.device.asarray(full)
         else:
             self.placement.scatter(full, self.param_shard)
+        self.sync_compute_parameters()
 
     def state_tensors(self, local: np.ndarray) -> dict[str, np.ndarray]:
         """A state array of this rank as whole named global tensors. Collective."""

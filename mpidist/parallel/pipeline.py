@@ -60,6 +60,17 @@ _TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 11, 12, 13
 _TAG_CHUNK = 8  # tags of messages to chunk c: the tags above + 8 * c
 _HEADER = 8  # int64 words: ndim, dtype code, up to 6 dims
 _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int64, np.int32, np.float16)]
+try:  # bfloat16 activations (mixed precision on a GPU)
+    import ml_dtypes
+
+    _DTYPES.append(np.dtype(ml_dtypes.bfloat16))
+except ImportError:  # pragma: no cover - without ml_dtypes there is no bfloat16 to send
+    pass
+
+
+def _wire(a: Any) -> Any:
+    """``a`` as MPI sends it: 16-bit floats as 16-bit integers (MPI has no such types)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind != "i" else a
 
 
 def check_schedule(schedule: str) -> str:
@@ -189,6 +200,7 @@ class PipelineStage:
         backward_weight: ``backward_weight(ctx)`` the weight gradients (W), deferred into
             the bubble (required by the zero-bubble schedule).
         comm: the pp communicator (rank = stage index); None for a single stage.
+        xp: the array library activations are received into (NumPy, or CuPy on a GPU).
         loss: on the last stage, ``loss.forward(y, target, normalizer=, ctx=) -> float`` and
             ``loss.backward(ctx=) -> dy``.
         virtual_stages: the chunks this stage holds (the interleaved schedule): chunk ``c``
@@ -204,7 +216,8 @@ class PipelineStage:
     def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any],
                  *, comm: Any = None, loss: Any = None,
                  backward_weight: Callable[[Any], None] | None = None,
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int = 1, xp: Any = np) -> None:
+        self.xp = xp
         self.forward = forward
         self.backward = backward
         self.backward_weight = backward_weight
@@ -227,7 +240,7 @@ class PipelineStage:
         return (self.stage - 1, chunk) if self.stage > 0 else (self.n_stages - 1, chunk - 1)
 
     def _send_activation(self, y: np.ndarray, chunk: int = 0) -> list[C.Request]:
-        y = np.ascontiguousarray(y)
+        y = self.xp.ascontiguousarray(y)
         if y.ndim > _HEADER - 2 or y.dtype not in _DTYPES:
             raise ValueError(
                 f"stage {self.stage}: cannot send an activation of shape {y.shape}, "
@@ -239,7 +252,7 @@ class PipelineStage:
         dst, to = self._next(chunk)
         self.stats.messages += 2
         return [C.isend(head, dst, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * to),
-                C.isend(y, dst, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * to)]
+                C.isend(_wire(y), dst, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * to)]
 
     def _recv_activation(self, chunk: int = 0) -> np.ndarray:
         src, _ = self._previous(chunk)
@@ -247,17 +260,17 @@ class PipelineStage:
         t0 = time.perf_counter()
         C.irecv(head, src, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * chunk).wait()
         nd = int(head[0])
-        x = np.empty(tuple(int(d) for d in head[2:2 + nd]), dtype=_DTYPES[int(head[1])])
-        C.irecv(x, src, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * chunk).wait()
+        x = self.xp.empty(tuple(int(d) for d in head[2:2 + nd]), dtype=_DTYPES[int(head[1])])
+        C.irecv(_wire(x), src, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return x
 
     def _recv_gradient(self, shape: tuple[int, ...], dtype: np.dtype, chunk: int = 0
                        ) -> np.ndarray:
-        dy = np.empty(shape, dtype=dtype)
+        dy = self.xp.empty(shape, dtype=dtype)
         src, _ = self._next(chunk)
         t0 = time.perf_counter()
-        C.irecv(dy, src, comm=self.comm, tag=_TAG_GRADIENT + _TAG_CHUNK * chunk).wait()
+        C.irecv(_wire(dy), src, comm=self.comm, tag=_TAG_GRADIENT + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return dy
 
@@ -267,7 +280,7 @@ class PipelineStage:
                              f"send to stage {self._previous(chunk)[0]}")
         dst, to = self._previous(chunk)
         self.stats.messages += 1
-        return C.isend(np.ascontiguousarray(dx), dst, comm=self.comm,
+        return C.isend(_wire(self.xp.ascontiguousarray(dx)), dst, comm=self.comm,
                        tag=_TAG_GRADIENT + _TAG_CHUNK * to)
 
     def _order(self, schedule: str, m: int, train: bool) -> list[tuple[str, int, int]]:
@@ -316,7 +329,7 @@ class PipelineStage:
                 if last and targets is not None:  # (checked above: the last has them)
                     total += self.loss.forward(y, targets[i], normalizer=normalizer, ctx=i)
                 else:
-                    y = np.ascontiguousarray(y)
+                    y = self.xp.ascontiguousarray(y)
                     sent_shape[(i, c)] = (y.shape, y.dtype)
                     sends += self._send_activation(y, c)
                 live += 1

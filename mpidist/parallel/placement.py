@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core.arrays import as_like, namespace, to_host
 from mpidist.core.buffers import ShardedLayout
 
 __all__ = ["LEVELS", "LEVEL_NAMES", "Placement"]
@@ -108,7 +109,7 @@ class Placement:
         over ``comm`` (the shard group) when sharded."""
         if not sharded:
             return local
-        full = np.zeros(self.layout.full_size, dtype=local.dtype)
+        full = namespace(local).zeros(self.layout.full_size, dtype=local.dtype)
         reqs = []
         for u, (mine, piece) in enumerate(self.shard_pieces(full, local)):
             mine[:] = piece
@@ -118,6 +119,7 @@ class Placement:
 
     def scatter(self, full: np.ndarray, local: np.ndarray, *, sharded: bool = True) -> None:
         """Copy this rank's part of a full-layout array into ``local``. Not collective."""
+        full = as_like(local, full)
         if not sharded:
             local[:] = full
             return
@@ -205,8 +207,8 @@ class Placement:
                        ) -> dict[str, np.ndarray]:
         """Every tensor of the model, global and unsharded, from this stage's full-layout
         array. Collective over tp (one allgather of the split tensors) and pp (one
-        broadcast per stage); the same dict on every rank."""
-        views = self.layout.full_views(full)
+        broadcast per stage); the same dict on every rank (NumPy arrays)."""
+        views = self.layout.full_views(to_host(full))
         names = self.stage_names[self.stage]
         out: dict[str, np.ndarray] = {n: np.array(views[n]) for n in names
                                       if n not in self.partitions}

@@ -80,6 +80,10 @@ PRECISIONS: dict[str, tuple[int, int, int, int, int]] = {
     # float64 training (mpidist CPU runs)
     "fp64": (8, 8, 0, 8, 8),
 }
+# What mpidist's engine keeps under `mpidist train --precision mixed-bf16|mixed-fp16`:
+# 16-bit compute parameters, float32 gradients (reduced in float32), float32 master
+# weights (the optimizer's parameter storage) and float32 moments.
+PRECISIONS["mixed-bf16"] = PRECISIONS["mixed-fp16"] = PRECISIONS["mixed-fp32-grads"]
 
 # Hyperparameters the planner assumes where an optimizer's defaults keep less state than
 # training uses: SGD with momentum ("sgd"); "sgd-plain" is SGD's defaults (no momentum).

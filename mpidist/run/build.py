@@ -72,7 +72,8 @@ def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
     spec = STRATEGIES[cfg.strategy]
     config = ShardingConfiguration(dtype=cfg.dtype, micro_batches=cfg.micro_batches,
                                    max_grad_norm=cfg.max_grad_norm, bucket_mb=cfg.bucket_mb,
-                                   recompute=cfg.recompute, virtual_stages=cfg.virtual_stages)
+                                   recompute=cfg.recompute, virtual_stages=cfg.virtual_stages,
+                                   device=cfg.device, precision=cfg.precision)
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     if "min_workers" in spec.options:
         from mpidist.run.elastic import elastic_bounds

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+import numpy as np
+
+from mpidist.core.arrays import DEVICES
 from mpidist.optim import OPTIMIZERS
-from mpidist.parallel.config import RECOMPUTE
+from mpidist.parallel.config import PRECISIONS, RECOMPUTE
 from mpidist.parallel.pipeline import SCHEDULES
+from mpidist.parallel.precision import compute_dtype
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
@@ -52,6 +57,8 @@ class TrainConfig:
     global_batch: int = 32
     steps: int = 600
     dtype: str = "float32"
+    device: str = "cpu"
+    precision: str = "full"
     optimizer: str = "adamw"
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -86,6 +93,15 @@ class TrainConfig:
             raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGY_NAMES}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype={self.dtype!r} must be float32 or float64")
+        if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"device={self.device!r} must be one of {DEVICES} (or cuda:N)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {PRECISIONS}")
+        if self.device == "cpu":
+            compute_dtype(self.precision, np)  # mixed precision needs a GPU: the reason
+        if self.precision != "full" and self.dtype != "float32":
+            raise ValueError(f"--precision {self.precision} keeps float32 master weights: "
+                             f"--dtype {self.dtype} must be float32")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -240,7 +256,15 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--micro-batches", int, None, "micro-batches per step"),
     ("--global-batch", int, None, "samples per step over all ranks"),
     ("--steps", int, None, "optimizer steps of the whole run"),
-    ("--dtype", str, ("float32", "float64"), "parameter and gradient dtype"),
+    ("--dtype", str, ("float32", "float64"),
+     "parameter and gradient dtype (the master weights' under --precision mixed-*)"),
+    ("--device", str, None,
+     "cpu (NumPy) or cuda (CuPy: GPU = rank on the node modulo the node's GPUs; cuda:N "
+     "picks one)"),
+    ("--precision", str, PRECISIONS,
+     "full: everything in --dtype; mixed-bf16 / mixed-fp16: 16-bit parameters and "
+     "activations for compute, float32 master weights and gradient reduction (fp16 with "
+     "dynamic loss scaling)"),
     ("--optimizer", str, tuple(OPTIMIZERS), "the base optimizer"),
     ("--lr", float, None, "peak learning rate"),
     ("--min-lr", float, None, "final learning rate of the cosine decay"),

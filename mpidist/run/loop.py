@@ -118,6 +118,7 @@ class _Run:
         self.preemption.install()
         self.opt = make_strategy(cfg, comm)
         self.io_seconds = 0.0
+        self._skipped = 0
         self.last_saved = -1
         self.val_loss = float("nan")
         self.preempted = ""
@@ -225,9 +226,12 @@ class _Run:
                           config=dataclasses.asdict(cfg), time=time.time(), **extra)
         if self.is_root():
             n_params = sum(int(np.prod(s)) for _, s in make_model(cfg).named_parameter_shapes())
+            where = getattr(self.model, "device", None)
+            on = "" if where is None or where.is_cpu else f" on {where}"
+            mixed = "" if cfg.precision == "full" else f" ({cfg.precision})"
             print(f"mpidist train: {cfg.strategy} on {self.world_size()} rank(s) "
-                  f"{_mesh_dict(self.model)}, GPT {cfg.n_layer}x{cfg.n_embd} ({n_params:,} "
-                  f"parameters), {cfg.dtype}, global batch {cfg.global_batch} x "
+                  f"{_mesh_dict(self.model)}{on}, GPT {cfg.n_layer}x{cfg.n_embd} ({n_params:,} "
+                  f"parameters), {cfg.dtype}{mixed}, global batch {cfg.global_batch} x "
                   f"{cfg.block_size} tokens, steps {start}->{cfg.steps}", flush=True)
             mesh = getattr(self.model, "mesh", None)
             if mesh is not None and hasattr(mesh, "node_banner"):
@@ -239,6 +243,13 @@ class _Run:
         cfg = self.cfg
         lr = self.opt.lr_schedule(rec.step - 1) if self.opt.lr_schedule is not None else cfg.lr
         workers = {"workers": self.world_size()} if self.elastic else {}
+        scaler = getattr(self.opt, "scaler", None)
+        if scaler is not None:  # fp16: the loss scale, and the steps skipped on overflow
+            workers.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
+            if scaler.skipped > self._skipped and self.is_root():
+                print(f"step {rec.step}: fp16 gradients overflowed, update skipped; loss "
+                      f"scale now {scaler.scale:g}", flush=True)
+            self._skipped = scaler.skipped
         tok_s = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         self.metrics.write(step=rec.step, loss=rec.loss, split="train", lr=lr,
                            seconds=rec.seconds, tokens_per_s=tok_s, **workers)

@@ -22,7 +22,7 @@ __all__ = ["CADENCE", "FIXED", "LAYOUT", "TUNABLE", "NothingToDo", "decide_start
 FIXED = ("dtype", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "optimizer",
          "global_batch", "seed", "data")
 TUNABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay",
-           "max_grad_norm")
+           "max_grad_norm", "precision")
 LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stages",
           "recompute", "micro_batches", "sync_period", "shard_group", "compression",
           "topk_ratio", "powersgd_rank", "staleness", "bucket_mb", "min_workers",

@@ -10,8 +10,6 @@ float32 CPU kernels on the float16 inputs widened to float32."""
 from __future__ import annotations
 
 import os
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -24,50 +22,6 @@ pytestmark = [
         os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="needs NUMBA_ENABLE_CUDASIM=1"
     ),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_simulator():
-    """The simulator runs every CUDA thread as a Python thread and polls them all at each
-    ``syncthreads``: a GIL switch interval of 0.1 ms instead of 5 ms makes these tests ten
-    times faster. Short slices also make a race in the simulator likely enough to matter:
-    its shared arrays are made on a block's first call at each source line, by an unlocked
-    check-then-set, so two threads could each get an array of their own. That allocation
-    is locked here."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    with pytest.MonkeyPatch.context() as mp:
-        try:
-            from numba.cuda.simulator.kernelapi import FakeCUDAShared
-        except ImportError:  # another simulator layout: run unpatched
-            FakeCUDAShared = None
-        if FakeCUDAShared is not None and hasattr(FakeCUDAShared, "array"):
-            mp.setattr(FakeCUDAShared, "array", _locked_shared_array(FakeCUDAShared.array))
-        try:
-            yield
-        finally:
-            sys.setswitchinterval(old)
-
-
-def _locked_shared_array(original):
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
-            return original(self, shape, dtype, alignment)
-        from numba.core import types
-        from numba.np.numpy_support import as_dtype
-
-        frame = sys._getframe(1)  # keyed by the calling line, as the simulator does
-        key = (frame.f_code.co_filename, frame.f_lineno)
-        with lock:
-            res = self._allocations.get(key)
-            if res is None:
-                dt = as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
-                res = self._allocations[key] = np.empty(shape, dt)
-        return res
-
-    return array
 
 
 DTYPES = [np.float64, np.float32, np.float16]
