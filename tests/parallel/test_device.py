@@ -115,7 +115,7 @@ def test_mixed_fp16_keeps_float32_master_weights(comm):
 
 
 @pytest.mark.filterwarnings("ignore:.*overflow:RuntimeWarning")  # the point of the test
-def test_fp16_overflow_skips_the_step_and_backs_off(comm):
+def test_fp16_overflow_skips_the_step_and_backs_off(comm, tmp_path_factory):
     _, opt, model = _run(comm, "ddp", device=FAKE, dtype="float32", precision="mixed-fp16",
                          steps=1)
     before = to_host(model.parameter_storage).copy()
@@ -132,6 +132,16 @@ def test_fp16_overflow_skips_the_step_and_backs_off(comm):
     opt.optimize(model, data, 1, global_batch_size=B)
     assert opt.state.step == step + 1
     assert not np.array_equal(to_host(model.parameter_storage), before)
+    # The scale and its counters travel in the checkpoint with the master weights.
+    d = str(tmp_path_factory.mktemp("fp16")) if comm.Get_rank() == 0 else None
+    path = os.path.join(comm.bcast(d), "ckpt.h5")
+    opt.save(path)
+    _, again, again_model = _run(comm, "ddp", device=FAKE, dtype="float32",
+                                 precision="mixed-fp16", steps=0)
+    again.load(path)
+    assert again.scaler.state_dict() == opt.scaler.state_dict()
+    np.testing.assert_array_equal(to_host(again_model.parameter_storage),
+                                  to_host(model.parameter_storage))
 
 
 def test_mixed_precision_where_it_cannot_run_is_refused_with_the_reason(comm):
