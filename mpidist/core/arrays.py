@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CPU", "DEVICES", "Device", "as_like", "device", "is_floating", "is_host",
-           "namespace", "to_host"]
+__all__ = ["CPU", "DEVICES", "Device", "as_like", "device", "is_cpu", "is_floating",
+           "is_host", "namespace", "to_host"]
 
 #: device names accepted by ``--device`` and ``device=``
 DEVICES = ("cpu", "cuda")
@@ -136,13 +136,21 @@ class Device:
 CPU = Device("cpu", np)
 
 
+def is_cpu(spec: str | Device | None) -> bool:
+    """Whether a ``device=`` value means the CPU (NumPy), without resolving it. Pure."""
+    if isinstance(spec, Device):
+        return spec.is_cpu
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "cpu")
+
+
 def device(spec: str | Device | None = "cpu", *, comm: Any = None) -> Device:
     """Resolve ``spec`` ("cpu", "cuda", "cuda:N", a :class:`Device`, or None for the CPU).
 
-    For CUDA, CuPy is imported (a clear ImportError names what is missing), and the rank
-    takes GPU ``local_index % gpu_count``, where the local index is its rank among the
-    ranks of ``comm`` on its node (``Split_type``; collective over ``comm`` then). A
-    warning says when several ranks share one GPU."""
+    For CUDA, CuPy is imported (a clear ImportError names what is missing). With "cuda"
+    the rank takes GPU ``local_index % gpu_count``, where the local index is its rank
+    among the ranks of ``comm`` on its node (``Split_type``: collective over ``comm``,
+    ``MPI.COMM_WORLD`` when None); the node's first rank warns when several ranks share
+    one GPU. "cuda:N" takes GPU N and is not collective."""
     if spec is None:
         return CPU
     if isinstance(spec, Device):
@@ -158,14 +166,20 @@ def device(spec: str | Device | None = "cpu", *, comm: Any = None) -> Device:
     count = int(xp.cuda.runtime.getDeviceCount())
     if count < 1:
         raise RuntimeError(f"device={spec!r}: CuPy sees no CUDA device on this node")
-    local, per_node = _local_index(comm)
-    index = int(idx) if idx else local % count
-    if index >= count:
-        raise ValueError(f"device={spec!r}: this node has {count} GPU(s)")
-    if not idx and per_node > count and local < count:
-        warnings.warn(f"{per_node} ranks share {count} GPU(s) on this node "
-                      f"(rank {local} of the node uses GPU {index})", stacklevel=2)
+    if idx:  # a GPU named: nothing to ask the other ranks
+        index = int(idx)
+        if index >= count:
+            raise ValueError(f"device={spec!r}: this node has {count} GPU(s)")
+    else:
+        local, per_node = _local_index(comm)
+        index = local % count
+        if per_node > count and local == 0:
+            warnings.warn(f"{per_node} ranks share {count} GPU(s) on this node (local rank "
+                          f"r uses GPU r % {count})", stacklevel=2)
     xp.cuda.Device(index).use()
+    from numba import cuda  # the kernels' launches go to the same GPU
+
+    cuda.select_device(index)
     return Device("cuda", xp, index)
 
 

@@ -53,17 +53,26 @@ def cuda_aware() -> bool:
         return False
 
 
-def view(a: Any) -> Any:
+def view(a: Any, *, sync: bool = True) -> Any:
     """``a`` as a Numba device array sharing its memory (``a`` itself when it is one).
     Real CUDA: ``numba.cuda.as_cuda_array``, which waits for the stream the interface
-    names (version 3 of the interface)."""
+    names (version 3 of the interface) unless ``sync=False``: a kernel argument launched
+    on the same (default) stream as the work that made it needs no wait."""
     if hasattr(a, "copy_to_host") and hasattr(a, "copy_to_device"):
         return a
     from numba import cuda
 
     if hasattr(cuda, "as_cuda_array"):
-        return cuda.as_cuda_array(a)
+        return cuda.as_cuda_array(a, sync=sync)
     return _simulated(a)
+
+
+def _finish_copy(d: Any) -> None:
+    """Wait for a copy queued on the device array's stream (a copy to or from pinned
+    memory on a stream returns before it is done; MPI must not read the buffer sooner)."""
+    stream = getattr(d, "stream", 0)
+    if stream:
+        stream.synchronize()
 
 
 def _simulated(a: Any) -> Any:
@@ -108,9 +117,11 @@ def stage(a: Any, *, read: bool = True) -> tuple[Any, Callable[[Any], None] | No
     host = cuda.pinned_array(d.shape, dtype=d.dtype)
     if read:
         d.copy_to_host(host)
+        _finish_copy(d)
 
     def back(result: Any) -> None:
         d.copy_to_device(result)
+        _finish_copy(d)
 
     return host, back
 

@@ -79,10 +79,11 @@ def _lower_left_t(p: np.ndarray, b: np.ndarray, out: np.ndarray, edges: list[int
 
 
 def _product(a: np.ndarray, b: np.ndarray, out: np.ndarray, where: tuple) -> None:
-    """``out[where] = a @ b``: into the view itself with NumPy; on a device through a new
-    product (cuBLAS writes whole arrays, and a view of the scores is not one)."""
-    if isinstance(out, np.ndarray):
-        np.matmul(a, b, out=out[where])
+    """``out[where] = a @ b``: into the view itself with NumPy, and on a device where the
+    view is contiguous; else through a new product (cuBLAS writes contiguous arrays)."""
+    target = out[where]
+    if isinstance(out, np.ndarray) or target.flags.c_contiguous:
+        namespace(out).matmul(a, b, out=target)
     else:
         out[where] = namespace(out).matmul(a, b)
 

@@ -174,7 +174,8 @@ class Linear(Module):
         dy2 = dy.reshape(-1, self.out_features)
         add_transposed_product(self.grad("weight"), x2, dy2)
         if self.has_bias and bias_grad:
-            self.grad("bias")[...] += dy2.sum(axis=0)
+            gb = self.grad("bias")
+            gb += dy2.sum(axis=0, dtype=gb.dtype)
 
     def _check_output_grad(self, x: np.ndarray, dy: np.ndarray) -> None:
         if dy.shape != x.shape[:-1] + (self.out_features,):

@@ -97,7 +97,7 @@ class StageChunks:
             if self.level < 2:
                 self.units[u].backward_weight(ctx)
             else:
-                gbuf = np.zeros(self.layout.units[u].padded, dtype=self.dtype)
+                gbuf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
                 self._track(gbuf.nbytes)
                 gviews = self.layout.unit_views(u, gbuf)
                 # Level 3: W reads only gradient buffers (Module.backward_weight), so the
@@ -105,7 +105,7 @@ class StageChunks:
                 if self.level == 3:
                     pviews = gviews
                 else:
-                    pviews = self.layout.unit_views(u, self.layout.unit_full(u, self.params))
+                    pviews = self.layout.unit_views(u, self.layout.unit_full(u, self._compute))
                 self.units[u].bind(pviews, gviews)
                 self.units[u].backward_weight(ctx)
                 if self.level == 3:
@@ -117,6 +117,8 @@ class StageChunks:
 
     # (provided by ShardedModel)
     params: np.ndarray
+    _compute: np.ndarray
+    xp: Any
 
     def _gather(self, u: int) -> Any:
         raise NotImplementedError

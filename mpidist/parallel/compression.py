@@ -39,6 +39,7 @@ class Compression(GradientHook):
     """
 
     name = "compressed"
+    runs_on_device = False  # the codecs and the metered exchange work on host arrays
     metered = True
 
     def __init__(self, method: str = "topk", *, ratio: float = 0.01, rank: int = 4) -> None:

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core.arrays import is_cpu
 from mpidist.core.comms import bcast_json, in_place, mpi, world
 from mpidist.core.mesh import MeshShape
 from mpidist.optim.base import Optimizer
@@ -162,6 +163,9 @@ class ElasticOptimizer(ShardedOptimizer):
         config = config if config is not None else ShardingConfiguration()
         if config.mesh is not None:
             raise ValueError("ElasticOptimizer makes its own meshes; give a config with mesh=None")
+        if not is_cpu(config.device):
+            raise ValueError(f"elastic resizing moves shards with host buffers: it does not run "
+                             f"with device={config.device!r}")
         pp = check_int("ElasticOptimizer", "pipeline_parallel_size", pipeline_parallel_size, 1)
         tp = check_int("ElasticOptimizer", "tensor_parallel_size", tensor_parallel_size, 1)
         # The sizes of the first mesh are checked in wrap(): a joiner's own world (the

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.arrays import namespace
+from mpidist.core.arrays import as_like, namespace
 from mpidist.parallel.exchange import CountingComm, RequestChain, iallreduce
 
 __all__ = ["AllReduce", "AsyncSGD", "GradientHook", "LocalSGD", "RankState", "ReduceScatter",
@@ -130,7 +130,7 @@ class RankState:
             return
         pos = 0
         for a in self.rank_state_arrays():
-            a.reshape(-1)[:] = data[pos:pos + a.size]
+            a.reshape(-1)[:] = as_like(a, data[pos:pos + a.size])
             pos += a.size
 
 
@@ -150,6 +150,8 @@ class GradientHook(RankState):
     metered = False
     #: whether the hook also runs on a mesh with pipeline or tensor parallelism
     runs_on_3d_mesh = False
+    #: whether the hook's exchanges take device arrays (through mpidist's collectives)
+    runs_on_device = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -469,6 +471,7 @@ class AsyncSGD(GradientHook):
     """
 
     name = "async"
+    runs_on_device = False  # its exchange goes to MPI directly, with host buffers
     levels = (0,)
     exchanges_in_backward = False
     metered = True

@@ -38,7 +38,7 @@ from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.pipeline import BALANCES, cut_virtual_stages
 from mpidist.parallel.placement import Placement
-from mpidist.parallel.precision import compute_dtype, iallgather_any
+from mpidist.parallel.precision import check_placement, compute_dtype, iallgather_any
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
@@ -203,6 +203,7 @@ class ShardedModel(StageChunks):
     # -- construction -------------------------------------------------------------------------
     def _check(self, global_units: list[Any]) -> None:
         """Pure checks of the model against the mesh, level and hook."""
+        check_placement(self.config, tp_size=self.tp_size, hook=self.hook)
         names = [n for u in global_units for n, _ in u.named_parameter_shapes()]
         if len(set(names)) != len(names):
             raise ValueError("a parameter is registered in two units")
@@ -242,13 +243,12 @@ class ShardedModel(StageChunks):
     def _make_mesh(self, comm: Any) -> None:
         from mpidist.core.mesh import ProcessMesh
 
-        self.device = arrays.device(self.config.device, comm=comm)
-        self.xp = self.device.xp  # and the layers' 16-bit dtype under mixed precision:
-        self.compute_dtype = compute_dtype(self.config.precision, self.xp)
-
         self._owns_mesh = self.config.mesh is None
         self.mesh = self.config.mesh if self.config.mesh is not None else ProcessMesh(
             comm, pp=self.pp_size, tp=self.tp_size, dp=self.dp_size)
+        self.device = arrays.device(self.config.device, comm=self.mesh.comm)
+        self.xp = self.device.xp  # and the layers' 16-bit dtype under mixed precision:
+        self.compute_dtype = compute_dtype(self.config.precision, self.xp)
         self.comm = self.mesh.group("dp")
         self.tp_comm = self.mesh.group("tp")
         self.pp_comm = self.mesh.group("pp")

@@ -15,11 +15,12 @@ a NaN, halving ``S``; after ``growth_interval`` good steps in a row it doubles `
 (torch.amp.GradScaler's rule and defaults). bfloat16 has float32's exponent range and
 needs no scaling.
 
-Where 16-bit arithmetic is not available the choice is refused with the reason, before
-anything is allocated or communicated: NumPy on the CPU (Numba's CPU kernels have no
-16-bit types and NumPy's float16 products run without BLAS), and a device library that
-does not compute in bfloat16 (:func:`compute_dtype` checks). Not collective, except
-:meth:`LossScaler.found_nonfinite`.
+Where it cannot run the choice is refused with the reason, before anything is allocated
+or communicated (:func:`compute_dtype`, :func:`check_placement`): on the CPU (Numba's CPU
+kernels have no 16-bit types and NumPy's float16 products run without BLAS), bfloat16
+for now (numba-cuda, which compiles the layer kernels, has no bfloat16 arrays), and with
+tensor parallelism (its collectives would reduce 16-bit activations). Not collective,
+except :meth:`LossScaler.found_nonfinite`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,31 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.arrays import namespace
+from mpidist.core.arrays import is_cpu, namespace
 
-__all__ = ["LossScaler", "ScaledLoss", "compute_dtype", "iallgather_any"]
+__all__ = ["LossScaler", "ScaledLoss", "check_placement", "compute_dtype", "iallgather_any"]
+
+
+def check_placement(config: Any, *, tp_size: int, hook: Any) -> None:
+    """Pure checks of ``config.device`` and ``config.precision`` against the mesh and the
+    gradient hook: ValueError naming the reason, before anything is communicated."""
+    on_cpu = is_cpu(config.device)
+    if config.precision != "full":
+        if on_cpu:
+            compute_dtype(config.precision, np)
+        if tp_size > 1:
+            raise ValueError(f"precision={config.precision!r} with tensor parallelism "
+                             f"(tp={tp_size}) is not supported: its collectives would reduce "
+                             "16-bit activations")
+    if not on_cpu and not hook.runs_on_device:
+        raise ValueError(f"the {hook.name} gradient exchange takes host arrays: it does not "
+                         f"run with device={config.device!r}")
 
 
 def compute_dtype(precision: str, xp: Any) -> np.dtype | None:
     """The 16-bit dtype the layers compute in for ``precision`` with the array library
-    ``xp`` (None for "full"). Raises ValueError naming the reason where ``xp`` cannot."""
+    ``xp`` (None for "full"). Raises ValueError naming the reason where it cannot run:
+    anything on the CPU, and bfloat16 for now (the kernels have no bfloat16 arrays)."""
     if precision == "full":
         return None
     if xp is np:
@@ -47,23 +65,10 @@ def compute_dtype(precision: str, xp: Any) -> np.dtype | None:
             "without BLAS, so there is no 16-bit compute to gain from")
     if precision == "mixed-fp16":
         return np.dtype(np.float16)
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise ValueError(f"--precision {precision} needs the ml_dtypes package (NumPy's "
-                         "bfloat16 type): pip install ml_dtypes") from None
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    name = getattr(xp, "__name__", type(xp).__name__)
-    try:
-        a = xp.ones((2, 2), dtype=bf16)
-        works = (a * 0.5).dtype == bf16 and (a @ a).dtype == bf16
-    except Exception as e:  # the library has no bfloat16 arrays at all
-        raise ValueError(f"--precision {precision}: {name} has no bfloat16 arrays ({e}); "
-                         "use --precision mixed-fp16") from None
-    if not works:
-        raise ValueError(f"--precision {precision}: {name} does not compute in bfloat16 "
-                         "(it promotes to float32); use --precision mixed-fp16")
-    return bf16
+    # bfloat16: CuPy 14 has the arrays (through ml_dtypes), but numba-cuda, which compiles
+    # the fused layer kernels, has no bfloat16 array type.
+    raise ValueError(f"--precision {precision}: the fused layer kernels (numba-cuda) have no "
+                     "bfloat16 arrays; use --precision mixed-fp16")
 
 
 @dataclass

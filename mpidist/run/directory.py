@@ -53,8 +53,9 @@ def inspect_out(out: str) -> dict[str, Any]:
         return state
     extra = attrs.get("extra") or {}
     config = extra.get("train_config") if isinstance(extra, dict) else None
-    state.update(step=int(attrs.get("step", 0)), world_size=attrs.get("world_size"),
-                 dtype=attrs.get("dtype"),
+    # The training step (fp16's skipped updates leave the optimizer's count behind).
+    state.update(step=int(attrs.get("steps_taken", attrs.get("step", 0))),
+                 world_size=attrs.get("world_size"), dtype=attrs.get("dtype"),
                  optimizer=(attrs.get("optimizer") or {}).get("name"),
                  train_config=config if isinstance(config, dict) else None)
     return state

@@ -151,3 +151,29 @@ def test_mixed_precision_where_it_cannot_run_is_refused_with_the_reason(comm):
         _run(comm, "ddp", device=FAKE, dtype="float32", precision="mixed-bf16")
     with pytest.raises(ValueError, match="master weights"):
         ShardingConfiguration(dtype="float64", precision="mixed-fp16")
+
+
+def test_what_does_not_run_on_a_device_is_refused_before_communicating():
+    from mpidist.optim import AdamW
+    from mpidist.parallel import (
+        ElasticOptimizer,
+        GradientCompressionOptimizer,
+        HybridShardedOptimizer,
+    )
+
+    class Untouchable:  # any communication would fail the test
+        def Get_size(self):
+            return 2
+
+        def __getattr__(self, name):
+            raise AssertionError(f"communicated: {name}")
+
+    cfg = ShardingConfiguration(device=FAKE, dtype="float32", precision="mixed-fp16")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        HybridShardedOptimizer(AdamW(), cfg, pipeline_parallel_size=1, tensor_parallel_size=2,
+                               comm=Untouchable()).wrap(GPT(TINY))
+    with pytest.raises(ValueError, match="host arrays"):
+        GradientCompressionOptimizer(AdamW(), ShardingConfiguration(device=FAKE),
+                                     comm=Untouchable()).wrap(GPT(TINY))
+    with pytest.raises(ValueError, match="elastic"):
+        ElasticOptimizer(AdamW(), ShardingConfiguration(device=FAKE), comm=Untouchable())

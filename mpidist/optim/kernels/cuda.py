@@ -111,12 +111,13 @@ def empty(n: int, dtype: Any) -> Any:
     return cuda.device_array(n, dtype=dtype)
 
 
-def as_device_array(x: Any) -> Any:
+def as_device_array(x: Any, *, sync: bool = True) -> Any:
     """``x`` as a Numba device array: itself when it is one, else a view of its
-    ``__cuda_array_interface__`` (no copy; :func:`mpidist.core.devices.view`)."""
+    ``__cuda_array_interface__`` (no copy; :func:`mpidist.core.devices.view`, ``sync``
+    as there)."""
     if not devices.is_device(x):
         raise TypeError(f"{type(x).__name__} does not expose __cuda_array_interface__")
-    return devices.view(x)
+    return devices.view(x, sync=sync)
 
 
 def to_host(x: Any) -> np.ndarray:
