@@ -22,12 +22,12 @@ with ``--device cpu``; ``engine_speed`` on a tiny GPT, its numbers reported and 
 goal not applied. Both run their work in fresh processes (under the MPI environment of the
 check, which the engine needs even at one rank), within a time budget each.
 
-Standalone::
+Run the items with ``python3 benchmarks/gpu_check.py --out DIR --only engine,engine_speed
+[--dry-run]``. Standalone::
 
-    python3 benchmarks/gpu_check_engine.py engine|engine_speed --out DIR [--dry-run]
     python3 benchmarks/gpu_check_engine.py measure [--device cuda] [--tiny]
 
-``measure`` is what ``engine_speed`` runs in its fresh process: one JSON line per precision.
+is what ``engine_speed`` runs in its fresh process: one JSON line per precision.
 """
 
 from __future__ import annotations
@@ -477,24 +477,13 @@ def measure_main(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("engine", "engine_speed", "measure"))
-    p.add_argument("--out", type=Path, help="directory for the log and summary (items)")
-    p.add_argument("--dry-run", action="store_true", help="no GPU: everything on the CPU")
+    p.add_argument("command", choices=("measure",))
     p.add_argument("--device", default="cuda", help="measure: cuda or cpu (default: cuda)")
     p.add_argument("--tiny", action="store_true", help="measure: a tiny GPT")
     p.add_argument("--batch", type=int, default=0, help="measure: samples per step")
     p.add_argument("--precisions", default=",".join(REQUIRED),
                    help="measure: comma-separated precisions (default: full,mixed-bf16)")
-    args = p.parse_args()
-    if args.command == "measure":
-        return measure_main(args)
-    if args.out is None:
-        p.error(f"{args.command} needs --out DIR")
-    import gpu_check  # the harness: its log, summary table and MPI environment
-
-    sys.argv = [gpu_check.__file__, "--out", str(args.out), "--only", args.command]
-    sys.argv += ["--dry-run"] if args.dry_run else []
-    return gpu_check.main()
+    return measure_main(p.parse_args())
 
 
 if __name__ == "__main__":
