@@ -120,7 +120,7 @@ test-serial: setup
 test-cudasim: setup
 	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests
 	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n 2 $(PY) -m pytest --with-mpi \
-	  -m cudasim -q --color=no -p no:cacheprovider tests/parallel/test_device.py -k "follow_the_cpu or zero3 or checkpoint"
+	  -m cudasim -q --color=no -p no:cacheprovider tests/parallel/test_device.py -k "follow_the_cpu or zero3 or checkpoint or mixed_fp16"
 
 test-mpi: warm
 	$(call MPIRUN_TESTS,2)

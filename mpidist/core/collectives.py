@@ -163,6 +163,14 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+def _wire(a: Any) -> Any:
+    """``a`` flat, as MPI is given it outside reductions: 16-bit floats (float16, bfloat16)
+    viewed as ``uint16``, which MPI carries bit for bit (it has no such float types)."""
+    a = _flat(a)
+    dt = np.dtype(a.dtype)
+    return a.view(np.uint16) if dt.itemsize == 2 and dt.kind not in "iu" else a
+
+
 # -- debug check --------------------------------------------------------------------------
 def _debug_check(comm: Any, sig: str) -> None:
     """Collective: every rank's signature must match, else raise on every rank."""
@@ -497,9 +505,9 @@ def iallgather(
 
     topo = _two_level(comm, result, result.nbytes, algorithm)
     if topo is not None:
-        stages = _topo.allgather_stages(_flat(host_in), _flat(result), topo)
+        stages = _topo.allgather_stages(_wire(host_in), _wire(result), topo)
         return Request([], target, finish, keep=(host_in, result), stages=stages)
-    req = comm.Iallgather(_flat(host_in), _flat(result))
+    req = comm.Iallgather(_wire(host_in), _wire(result))
     return Request([req], target, finish, keep=(host_in, result))
 
 
@@ -523,7 +531,7 @@ def allgather(
     if _debug:
         _maybe_check(comm, "allgather", shard)
     result = np.empty(total, dtype=shard.dtype) if out is None else out
-    comm.Allgather(_flat(shard), _flat(result))
+    comm.Allgather(_wire(shard), _wire(result))
     if numel is None or numel == total:
         return result
     return _flat(result)[:numel]
@@ -557,7 +565,7 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
         mine = flat[comm.Get_rank() * s:(comm.Get_rank() + 1) * s]
         stages = _topo.allgather_stages(mine, flat, topo)
         return Request([], buf, finish, keep=(host,), stages=stages)
-    req = comm.Iallgather(_mpi().IN_PLACE, _flat(host))
+    req = comm.Iallgather(_mpi().IN_PLACE, _wire(host))
     return Request([req], buf, finish)
 
 
@@ -573,7 +581,7 @@ def allgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = Non
         return iallgather_inplace(buf, comm=comm, algorithm=algorithm).wait()
     if _debug:
         _maybe_check(comm, "allgather_inplace", buf)
-    comm.Allgather(_mpi().IN_PLACE, _flat(buf))
+    comm.Allgather(_mpi().IN_PLACE, _wire(buf))
     return buf
 
 
@@ -593,7 +601,7 @@ def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> An
         _maybe_check(comm, "allgather_varied", b, f" counts={list(counts)[:8]}")
     host, back = _dev.stage(b)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-    comm.Allgatherv(_mpi().IN_PLACE, [_flat(host), (list(counts), displs)])
+    comm.Allgatherv(_mpi().IN_PLACE, [_wire(host), (list(counts), displs)])
     if back is not None:
         back(host)
     return buf
@@ -611,7 +619,7 @@ def broadcast(buf: Any, root: int = 0, *, comm: Any = None) -> Any:
     if _debug:
         _maybe_check(comm, f"broadcast[root={root}]", b)
     host, back = _dev.stage(b, read=comm.Get_rank() == root)
-    comm.Bcast(_flat(host), root=root)
+    comm.Bcast(_wire(host), root=root)
     if back is not None:
         back(host)
     return buf
@@ -634,7 +642,7 @@ def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
     b = _check_array(buf, "send buffer")
     _check_peer(dest, comm, "dest")
     host, _ = _dev.stage(b)
-    return Request([comm.Isend(_flat(host), dest=dest, tag=tag)], buf, keep=(host,))
+    return Request([comm.Isend(_wire(host), dest=dest, tag=tag)], buf, keep=(host,))
 
 
 def send(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> None:
@@ -647,7 +655,7 @@ def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
     b = _check_array(buf, "receive buffer")
     _check_peer(source, comm, "source")
     host, back = _dev.stage(b, read=False)
-    req = comm.Irecv(_flat(host), source=source, tag=tag)
+    req = comm.Irecv(_wire(host), source=source, tag=tag)
     return Request([req], buf, None if back is None else (lambda: back(host)), keep=(host,))
 
 

@@ -38,7 +38,7 @@ from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
 from mpidist.parallel.pipeline import BALANCES, cut_virtual_stages
 from mpidist.parallel.placement import Placement
-from mpidist.parallel.precision import check_placement, compute_dtype, iallgather_any
+from mpidist.parallel.precision import check_placement, compute_dtype
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
@@ -453,7 +453,7 @@ class ShardedModel(StageChunks):
     def _gather(self, u: int) -> Any:
         buf = self.xp.empty(self.layout.units[u].padded, dtype=self._compute.dtype)
         self._track(buf.nbytes)
-        return iallgather_any(self.layout.unit_local(u, self._compute), buf, comm=self.shard_comm)
+        return C.iallgather(self.layout.unit_local(u, self._compute), comm=self.shard_comm, out=buf)
 
     def sync_compute_parameters(self) -> None:
         """Mixed precision: copy the master weights into the 16-bit copy the layers run with

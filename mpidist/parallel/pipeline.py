@@ -68,11 +68,6 @@ except ImportError:  # pragma: no cover - without ml_dtypes there is no bfloat16
     pass
 
 
-def _wire(a: Any) -> Any:
-    """``a`` as MPI sends it: 16-bit floats as 16-bit integers (MPI has no such types)."""
-    return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind != "i" else a
-
-
 def check_schedule(schedule: str) -> str:
     """The schedule name, lower-cased; ValueError naming it unless one of :data:`SCHEDULES`.
     Pure."""
@@ -252,7 +247,7 @@ class PipelineStage:
         dst, to = self._next(chunk)
         self.stats.messages += 2
         return [C.isend(head, dst, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * to),
-                C.isend(_wire(y), dst, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * to)]
+                C.isend(y, dst, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * to)]
 
     def _recv_activation(self, chunk: int = 0) -> np.ndarray:
         src, _ = self._previous(chunk)
@@ -261,7 +256,7 @@ class PipelineStage:
         C.irecv(head, src, comm=self.comm, tag=_TAG_HEADER + _TAG_CHUNK * chunk).wait()
         nd = int(head[0])
         x = self.xp.empty(tuple(int(d) for d in head[2:2 + nd]), dtype=_DTYPES[int(head[1])])
-        C.irecv(_wire(x), src, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * chunk).wait()
+        C.irecv(x, src, comm=self.comm, tag=_TAG_ACTIVATION + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return x
 
@@ -270,7 +265,7 @@ class PipelineStage:
         dy = self.xp.empty(shape, dtype=dtype)
         src, _ = self._next(chunk)
         t0 = time.perf_counter()
-        C.irecv(_wire(dy), src, comm=self.comm, tag=_TAG_GRADIENT + _TAG_CHUNK * chunk).wait()
+        C.irecv(dy, src, comm=self.comm, tag=_TAG_GRADIENT + _TAG_CHUNK * chunk).wait()
         self.stats.wait_seconds += time.perf_counter() - t0
         return dy
 
@@ -280,7 +275,7 @@ class PipelineStage:
                              f"send to stage {self._previous(chunk)[0]}")
         dst, to = self._previous(chunk)
         self.stats.messages += 1
-        return C.isend(_wire(self.xp.ascontiguousarray(dx)), dst, comm=self.comm,
+        return C.isend(self.xp.ascontiguousarray(dx), dst, comm=self.comm,
                        tag=_TAG_GRADIENT + _TAG_CHUNK * to)
 
     def _order(self, schedule: str, m: int, train: bool) -> list[tuple[str, int, int]]:

@@ -33,7 +33,7 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core.arrays import is_cpu, namespace
 
-__all__ = ["LossScaler", "ScaledLoss", "check_placement", "compute_dtype", "iallgather_any"]
+__all__ = ["LossScaler", "ScaledLoss", "check_placement", "compute_dtype"]
 
 
 def check_placement(config: Any, *, tp_size: int, hook: Any) -> None:
@@ -140,15 +140,3 @@ class ScaledLoss:
     def clear_cache(self, *args: Any, **kwargs: Any) -> None:
         self.loss.clear_cache(*args, **kwargs)
 
-
-def iallgather_any(local: Any, out: Any, *, comm: Any) -> C.Request:
-    """Start gathering every rank's ``local`` into ``out``, whose ``wait()`` returns
-    ``out``: 16-bit floats travel as 16-bit integers (MPI has no bfloat16 type), half the
-    bytes of gathering float32 master weights. Collective over ``comm``."""
-    if local.dtype.itemsize != 2:
-        return C.iallgather(local, comm=comm, out=out)
-    req = C.iallgather(local.view(np.uint16), comm=comm, out=out.view(np.uint16))
-
-    def finish() -> None:
-        req.wait()
-    return C.Request([], out, finish, keep=(req,))

@@ -133,6 +133,30 @@ def test_allgather_any_dtype_uint16(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_float16_travels_bit_for_bit_outside_reductions(comm):
+    # MPI has no 16-bit float type: the collectives carry it as uint16 themselves.
+    n, r = comm.Get_size(), comm.Get_rank()
+    mine = np.array([r + 0.5, -65504.0, 2.0**-24], dtype=np.float16)
+    want = np.concatenate([np.array([k + 0.5, -65504.0, 2.0**-24], np.float16)
+                           for k in range(n)])
+    got = C.iallgather(mine, comm=comm, out=np.empty(3 * n, np.float16)).wait()
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    inplace = want.copy()
+    inplace[3 * r:3 * r + 3] = mine
+    C.allgather_inplace(inplace, comm=comm)
+    np.testing.assert_array_equal(inplace.view(np.uint16), want.view(np.uint16))
+    b = mine.copy() if r == 0 else np.zeros(3, np.float16)
+    C.broadcast(b, root=0, comm=comm)
+    np.testing.assert_array_equal(b, np.array([0.5, -65504.0, 2.0**-24], np.float16))
+    recv = np.zeros(3, np.float16)
+    reqs = [C.isend(mine, (r + 1) % n, comm=comm, tag=7),
+            C.irecv(recv, (r - 1) % n, comm=comm, tag=7)]
+    C.wait_all(reqs)
+    np.testing.assert_array_equal(recv, want[3 * ((r - 1) % n):3 * ((r - 1) % n) + 3])
+
+
+@pytest.mark.mpi(min_size=2)
 def test_broadcast(comm):
     root = comm.Get_size() - 1
     x = np.full(5, float(comm.Get_rank()))

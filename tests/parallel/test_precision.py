@@ -1,6 +1,6 @@
 """Mixed precision's pieces that need no device: the loss scale's rule, the refusals, the
-16-bit gather. (The engine under mixed precision is tested on the fake device:
-tests/parallel/test_device.py.)"""
+16-bit gather (at more ranks: tests/core/test_collectives.py). The engine under mixed
+precision is tested on the fake device: tests/parallel/test_device.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpidist.core import collectives as C
-from mpidist.parallel.precision import LossScaler, ScaledLoss, compute_dtype, iallgather_any
+from mpidist.parallel.precision import LossScaler, ScaledLoss, compute_dtype
 
 
 def test_the_loss_scale_backs_off_on_overflow_and_grows_after_good_steps():
@@ -52,7 +52,7 @@ def test_mixed_precision_on_the_cpu_is_refused_with_the_reason():
 def test_16_bit_values_are_gathered_bit_for_bit():
     x = np.array([1.5, -2.25, 65504.0], dtype=np.float16)
     out = np.empty(3, dtype=np.float16)
-    got = iallgather_any(x, out, comm=None).wait()
+    got = C.iallgather(x, comm=None, out=out).wait()
     assert got is out and got.dtype == np.float16
     np.testing.assert_array_equal(got, x)
     np.testing.assert_array_equal(C.allgather(np.arange(3.0), comm=None), np.arange(3.0))
