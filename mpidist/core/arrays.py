@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CPU", "DEVICES", "Device", "as_like", "device", "is_cpu", "is_floating",
-           "is_host", "namespace", "to_host"]
+__all__ = ["CPU", "DEVICES", "Device", "as_array", "as_like", "device", "is_cpu",
+           "is_floating", "is_host", "namespace", "to_host"]
 
 #: device names accepted by ``--device`` and ``device=``
 DEVICES = ("cpu", "cuda")
@@ -69,11 +69,23 @@ def is_host(a: Any) -> bool:
     return isinstance(a, (np.ndarray, np.generic))
 
 
+def as_array(x: Any) -> Any:
+    """``x`` as an array: ``np.asarray(x)`` for host values (NumPy arrays, lists, numbers),
+    ``x`` itself for an array of another library (it has a shape and a dtype). Not
+    collective."""
+    if is_host(x) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return np.asarray(x)
+    return x
+
+
 def as_like(ref: Any, x: Any) -> Any:
     """``x`` as an array of ``ref``'s library: ``x`` itself when it is one, a copy to the
     device when ``x`` is a host array (or list, or number) and ``ref`` a device array.
     Not collective."""
-    xp = namespace(ref)
+    return _into(namespace(ref), x)
+
+
+def _into(xp: Any, x: Any) -> Any:
     if xp is np:
         return np.asarray(x)
     if is_host(x) or isinstance(x, (list, tuple, int, float)):
@@ -118,16 +130,10 @@ class Device:
         """A new zero-filled array on this device."""
         return self.xp.zeros(shape, dtype=dtype)
 
-    def empty(self, shape: Any, dtype: Any) -> Any:
-        """A new uninitialised array on this device."""
-        return self.xp.empty(shape, dtype=dtype)
-
-    def asarray(self, a: Any, dtype: Any = None) -> Any:
+    def asarray(self, a: Any) -> Any:
         """``a`` on this device (a copy when it lives elsewhere; ``a`` itself when it is
-        already an array of this device's library with that dtype)."""
-        if not self.is_cpu and is_host(a):
-            a = np.ascontiguousarray(a)
-        return self.xp.asarray(a, dtype=dtype)
+        already an array of this device's library): :func:`as_like` for a device."""
+        return _into(self.xp, a)
 
     def __str__(self) -> str:
         return self.name if self.index is None else f"{self.name}:{self.index}"

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from mpidist.core.arrays import namespace
+from mpidist.core.arrays import as_array, namespace
 
 from . import fused as F
 from .layers import GELU, LayerNorm, Linear, positive_int
@@ -173,7 +173,7 @@ class CausalSelfAttention(Module):
         self.proj = Linear(self.n_embd, self.n_embd, bias, scale=residual_scale(n_layer))
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        x = x if hasattr(x, "ndim") else np.asarray(x)
+        x = as_array(x)
         if x.ndim != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(
                 f"{self.name}: input of shape {x.shape} is not (batch, time, n_embd={self.n_embd})"

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 
-from mpidist.core.arrays import as_like, namespace
+from mpidist.core.arrays import as_array, as_like, namespace
 
 from . import fused as F
 from .blas import add_transposed_product
@@ -65,7 +65,7 @@ def float_input(x: object, like: np.ndarray, who: str) -> np.ndarray:
 def check_ids(ids: object, num_embeddings: int, who: str) -> np.ndarray:
     """``ids`` as an integer array; ``ValueError`` naming ``who`` for non-integers or ids
     outside ``[0, num_embeddings)``. Pure."""
-    arr = ids if hasattr(ids, "dtype") and hasattr(ids, "shape") else np.asarray(ids)
+    arr = as_array(ids)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{who}: ids must be integers, got dtype {arr.dtype}")
     if arr.size:
@@ -304,8 +304,9 @@ class GELU(Module):
 
     def forward(self, x: np.ndarray, ctx: Hashable = None, *,
                 bias: np.ndarray | None = None) -> np.ndarray:
+        x = as_array(x)
         h = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-        if bias is not None and not x.flags.c_contiguous:
+        if bias is not None and not namespace(x).shares_memory(h, x):
             raise ValueError(f"{self.name}: a bias needs a contiguous input to add it in place")
         y = F.bias_gelu(h, bias)
         self._save(ctx, h)
@@ -333,6 +334,7 @@ class ReLU(Module):
     """``max(x, 0)``."""
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = as_array(x)
         mask = x > 0
         self._save(ctx, mask)
         return x * mask
@@ -345,6 +347,7 @@ class Tanh(Module):
     """``tanh(x)``."""
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = as_array(x)
         y = namespace(x).tanh(x)
         self._save(ctx, y)
         return y
@@ -388,6 +391,7 @@ class Dropout(Module):
         self._rng = None
 
     def forward(self, x: np.ndarray, ctx: Hashable = None) -> np.ndarray:
+        x = as_array(x)
         if not self.training or self.p == 0.0:
             self._save(ctx, None)
             return x

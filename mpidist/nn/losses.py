@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from mpidist.core.arrays import as_like, namespace
+from mpidist.core.arrays import as_array, as_like, namespace
 
 from . import fused as F
 from .module import Module
@@ -32,8 +32,7 @@ def resolve_normalizer(normalizer: float | None, count: int) -> float:
 def check_targets(targets: object, logits_shape: tuple[int, ...], n_classes: int) -> np.ndarray:
     """``targets`` as an integer array shaped like the logits without their last axis, with
     values in ``[0, n_classes)``; ValueError naming the bad shape, dtype or value. Pure."""
-    if not hasattr(targets, "dtype"):
-        targets = np.asarray(targets)
+    targets = as_array(targets)
     if targets.shape != logits_shape[:-1]:
         raise ValueError(
             f"targets of shape {targets.shape} do not match logits of shape {logits_shape}"
@@ -57,7 +56,7 @@ class CrossEntropyLoss(Module):
 
     def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        logits = logits if hasattr(logits, "dtype") else np.asarray(logits)
+        logits = as_array(logits)
         if logits.dtype.kind != "f" or logits.ndim < 1:
             raise ValueError(f"logits of shape {logits.shape}, dtype {logits.dtype} are not float")
         v = logits.shape[-1]
@@ -87,7 +86,7 @@ class MSELoss(Module):
 
     def forward(self, pred: np.ndarray, target: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        pred = pred if hasattr(pred, "dtype") else np.asarray(pred)
+        pred = as_array(pred)
         if pred.dtype.kind != "f":
             raise ValueError(f"predictions of dtype {pred.dtype} are not float")
         target = as_like(pred, target)

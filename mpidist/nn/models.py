@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpidist.core.arrays import to_host
+from mpidist.core.arrays import as_array, to_host
 
 from .attention import Block
 from .blas import add_transposed_product
@@ -120,7 +120,7 @@ class GPTEmbedding(Module):
         self.drop = Dropout(config.dropout) if config.dropout > 0 else None
 
     def forward(self, idx: np.ndarray, ctx: Hashable = None) -> np.ndarray:
-        idx = idx if hasattr(idx, "ndim") else np.asarray(idx)
+        idx = as_array(idx)
         if idx.ndim != 2:
             raise ValueError(f"token ids of shape {idx.shape} are not (batch, time)")
         t = idx.shape[1]

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.arrays import as_like, namespace
+from mpidist.core.arrays import as_array, as_like, namespace
 
 from . import fused as F
 from .init import fan_in_bound, init_value
@@ -301,7 +301,7 @@ class RowParallelLinear(Linear, TensorParallelModule):
                 keep_input: bool = True) -> np.ndarray:
         _no_deferred_bias(self, add_bias, self.act is not None)
         if self.scatter is not None:
-            x = self.scatter.forward(x if hasattr(x, "dtype") else np.asarray(x), ctx)
+            x = self.scatter.forward(as_array(x), ctx)
         y = super().forward(x, ctx, add_bias=False, keep_input=keep_input)
         y = self.reduce_out.forward(y, ctx)
         if self.has_bias and add_bias:
@@ -449,7 +449,7 @@ class VocabParallelCrossEntropy(Module):
 
     def forward(self, logits: np.ndarray, targets: np.ndarray,  # type: ignore[override]
                 normalizer: float | None = None, ctx: Hashable = None) -> float:
-        logits = logits if hasattr(logits, "dtype") else np.asarray(logits)
+        logits = as_array(logits)
         xp = namespace(logits)
         vl = self.hi - self.lo
         if logits.dtype.kind != "f" or logits.shape[-1:] != (vl,):
