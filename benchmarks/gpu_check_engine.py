@@ -323,40 +323,14 @@ def speed(args: argparse.Namespace, *, log: Callable[..., None],
 def _twin(cfg: Any, params: dict[str, Any], device: str, precision: str) -> Callable[..., Any]:
     """The same GPT in torch eager with ``params`` (mpidist's names and layouts) copied in,
     and its AdamW; returns ``step(x, y) -> loss`` (forward, backward, update)."""
-    import numpy as np
     import torch
     import torch.nn.functional as F
+    from model_step import torch_gpt  # the twin model_step.py times on the CPU
 
-    linear = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
-    # mpidist's Linear weights are (in, out); F.linear takes (out, in).
-    w = {k: torch.nn.Parameter(torch.tensor(np.ascontiguousarray(a.T if k.endswith(linear)
-                                                                 else a),
-                                            dtype=torch.float32, device=device))
-         for k, a in params.items()}
-    if cfg.tie_weights:
-        w["final.head.weight"] = w["embed.wte.weight"]
+    w, forward = torch_gpt(cfg, params, "float32", device)
     opt = torch.optim.AdamW(list(dict.fromkeys(w.values())), fused=True, **ADAMW)
     amp = {"mixed-bf16": torch.bfloat16, "mixed-fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device) if precision == "mixed-fp16" else None
-    h, c, eps = cfg.n_head, cfg.n_embd, cfg.layer_norm_eps
-
-    def forward(idx: torch.Tensor) -> torch.Tensor:
-        b, t = idx.shape
-        x = w["embed.wte.weight"][idx] + w["embed.wpe.weight"][:t]
-        for i in range(cfg.n_layer):
-            p = f"blocks.{i}."
-            a = F.layer_norm(x, (c,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
-            qkv = F.linear(a, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"])
-            q, k, v = qkv.view(b, t, 3, h, c // h).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            y = y.transpose(1, 2).reshape(b, t, c)
-            x = x + F.linear(y, w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
-            a = F.layer_norm(x, (c,), w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
-            a = F.gelu(F.linear(a, w[p + "mlp.fc.weight"], w[p + "mlp.fc.bias"]),
-                       approximate="tanh")
-            x = x + F.linear(a, w[p + "mlp.proj.weight"], w[p + "mlp.proj.bias"])
-        x = F.layer_norm(x, (c,), w["final.ln_f.weight"], w["final.ln_f.bias"], eps)
-        return F.linear(x, w["final.head.weight"])
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         with torch.autocast(device.split(":")[0], dtype=amp) if amp else nullcontext():

@@ -146,23 +146,21 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def torch_model(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str, threads: int | None):
-    """The same GPT in PyTorch with mpidist's weights copied in; returns a step function."""
+def torch_gpt(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str = "float32",
+              device: str = "cpu"):
+    """The same GPT in PyTorch eager with mpidist's weights copied in: ``(weights,
+    forward)``, the parameters by mpidist's names (a tied head shares the embedding's) and
+    ``forward(idx) -> logits`` (SDPA attention). Also used by gpu_check_engine.py."""
     import torch
     import torch.nn.functional as F
 
-    if threads:
-        torch.set_num_threads(threads)
     tdt = getattr(torch, dtype)
-
-    def t(name: str, transpose: bool = False) -> torch.Tensor:
-        a = params[name].T if transpose else params[name]
-        return torch.nn.Parameter(torch.tensor(np.ascontiguousarray(a), dtype=tdt))
-
     # mpidist's Linear weights are (in, out); torch's F.linear wants (out, in). Embeddings and
     # the LM head are (rows, n_embd) in both.
     linear = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
-    w = {name: t(name, transpose=name.endswith(linear)) for name in params}
+    w = {name: torch.nn.Parameter(torch.tensor(
+        np.ascontiguousarray(a.T if name.endswith(linear) else a), dtype=tdt, device=device))
+        for name, a in params.items()}
     if cfg.tie_weights:
         w["final.head.weight"] = w["embed.wte.weight"]
     h, c = cfg.n_head, cfg.n_embd
@@ -185,6 +183,18 @@ def torch_model(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str, threa
             x = x + F.linear(a, w[p + "mlp.proj.weight"], w[p + "mlp.proj.bias"])
         x = F.layer_norm(x, (c,), w["final.ln_f.weight"], w["final.ln_f.bias"], eps)
         return F.linear(x, w["final.head.weight"])
+
+    return w, forward
+
+
+def torch_model(cfg: GPTConfig, params: dict[str, np.ndarray], dtype: str, threads: int | None):
+    """The same GPT in PyTorch with mpidist's weights copied in; returns a step function."""
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    _, forward = torch_gpt(cfg, params, dtype)
 
     def make_step(x: np.ndarray, y: np.ndarray):
         xi, yi = torch.from_numpy(x), torch.from_numpy(y)
