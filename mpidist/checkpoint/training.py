@@ -38,7 +38,7 @@ from mpidist.checkpoint.io import (
     read_pieces,
     save_checkpoint,
 )
-from mpidist.core.arrays import is_host, namespace, to_host
+from mpidist.core.arrays import as_like, is_host, to_host
 
 __all__ = ["load_training", "save_training", "training_tensors"]
 
@@ -155,7 +155,7 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
     read_pieces(path, pieces, comm=comm, expected=training_tensors(opt, strategy_state=use),
                 strict=strict, verify=verify)
     for device_array, host in back:
-        device_array[...] = namespace(device_array).asarray(host)
+        device_array[...] = as_like(device_array, host)
     if use:
         opt.finish_strategy_state()
     scaler = getattr(opt, "scaler", None)  # fp16's loss scale continues where it was
