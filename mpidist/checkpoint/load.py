@@ -40,6 +40,7 @@ from mpidist.checkpoint.storage import (
     read_chunks,
     read_range,
 )
+from mpidist.core.comms import label, traced
 
 __all__ = ["Reader", "load_checkpoint", "read_pieces", "read_tensor", "sum_range",
            "verify_plan"]
@@ -153,9 +154,10 @@ def read_pieces(
     default rank 0 also finds each dataset's file offset and every rank ``pread``s its
     ranges directly; ``mpio`` and ``serial`` read through h5py. The result is the same.
     """
+    comm = traced(comm)
     size, rank = size_rank(comm)
     path = os.fspath(path)
-    own = comm.Dup() if size > 1 else None
+    own = label(comm.Dup(), "checkpoint") if size > 1 else None
     try:
         # 1. rank 0 reads and checks the header; everyone gets it (or its error).
         path, meta, infos, sums, mode, offsets = _agree_on_header(

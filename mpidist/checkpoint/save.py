@@ -53,6 +53,7 @@ from mpidist.checkpoint.storage import (
     write_pieces,
     writeback_bytes,
 )
+from mpidist.core.comms import label, traced
 
 __all__ = ["save_checkpoint"]
 
@@ -125,9 +126,10 @@ def save_checkpoint(
     """
     from mpidist._version import __version__
 
+    comm = traced(comm)
     size, rank = size_rank(comm)
     path = os.fspath(path)
-    own = comm.Dup() if size > 1 else None
+    own = label(comm.Dup(), "checkpoint") if size > 1 else None
     try:
         # 1. validate locally, then agree: same arguments everywhere, and no rank failed.
         plan = _agree_on_arguments(path, tensors, pieces, attrs, keep, serial, comm, own)

@@ -21,12 +21,11 @@ __all__ = ["build_parser", "main"]
 
 def _cmd_env(args: argparse.Namespace) -> int:
     """Collective over COMM_WORLD: every rank reports, rank 0 prints."""
-    from mpi4py import MPI
-
+    from mpidist.core.comms import world
     from mpidist.run.launch import detect_environment, launcher_from_env_summary
     from mpidist.run.launch.env import layout_by_node
 
-    comm = MPI.COMM_WORLD
+    comm = world()
     info = detect_environment(comm).as_dict()
     rows = _gather_json(info, comm)
     if comm.Get_rank() != 0:
@@ -108,9 +107,9 @@ class _Parser(argparse.ArgumentParser):
             self._print_message(message, sys.stderr)
         if status and (_launcher_size() or 1) > 1:
             sys.stderr.flush()
-            from mpi4py import MPI
+            from mpidist.core.comms import world
 
-            MPI.COMM_WORLD.Barrier()
+            world().Barrier()
         sys.exit(status)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]

@@ -35,13 +35,14 @@ def add_parser(sub: Any) -> None:
 def _main(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    from mpidist.core.comms import world
     from mpidist.run.launch.guard import enable_error_agreement
 
     if MPI.Comm.Get_parent() == MPI.COMM_NULL:  # not a worker spawned into an elastic job
-        enable_error_agreement(MPI.COMM_WORLD)
+        enable_error_agreement(world())
     flags = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
     toml = load_toml(args.config) if args.config else {}
     cfg = TrainConfig.from_sources(toml, flags)
     given = set(toml) | {k for k, v in flags.items() if v is not None}
-    summary = run_training(cfg, MPI.COMM_WORLD, given=given)
+    summary = run_training(cfg, world(), given=given)
     return EXIT_PREEMPTED if summary.get("preempted") else 0

@@ -203,12 +203,11 @@ def _local_index(comm: Any) -> tuple[int, int]:
     if comm is None:
         if "mpi4py.MPI" not in sys.modules:
             return _env_local_index()
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
     from mpi4py import MPI
 
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    from mpidist.core.comms import world
+
+    shared = world(comm).Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return shared.Get_rank(), shared.Get_size()
     finally:

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core.arrays import is_cpu
-from mpidist.core.comms import bcast_json, in_place, mpi, world
+from mpidist.core.comms import bcast_json, in_place, mpi, traced, world
 from mpidist.core.mesh import MeshShape
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
@@ -454,7 +454,7 @@ class ElasticOptimizer(ShardedOptimizer):
         """Join a running job (see :meth:`wrap`). Collective with the current workers."""
         MPI = mpi()
         t0 = time.perf_counter()
-        parent = MPI.Comm.Get_parent()
+        parent = traced(MPI.Comm.Get_parent())
         union = parent.Merge(high=True)
         parent.Disconnect()
         meta = bcast_json(None, union)

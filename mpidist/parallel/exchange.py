@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.core.comms import mpi, size_rank
+from mpidist.core.comms import mpi, size_rank, test_all, wait_all
 
 __all__ = ["CountingComm", "RequestChain", "iallgather", "iallreduce"]
 
@@ -163,7 +163,7 @@ class RequestChain:
 
     def test(self) -> bool:
         while not self.done:
-            if self._reqs and not mpi().Request.Testall(self._reqs):
+            if self._reqs and not test_all(self._reqs):
                 return False
             if not self._can_advance():
                 return False
@@ -173,7 +173,7 @@ class RequestChain:
     def wait(self) -> None:
         while not self.done:
             if self._reqs:
-                mpi().Request.Waitall(self._reqs)
+                wait_all(self._reqs)
             while not self._can_advance():
                 if self._gate is None:
                     raise RuntimeError("exchange: waiting to advance with no gate to wait on")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpidist.core import comms
 from mpidist.core.comms import mpi
 from mpidist.run.launch.guard import abort_with
 from mpidist.torch import ops, rendezvous
@@ -34,7 +35,7 @@ def world_comm(comm: Any = None, *, reset: bool = False) -> Any:
         _WORLD.clear()
     elif comm is not None:
         _WORLD[:] = [comm]
-    return _WORLD[0] if _WORLD else mpi().COMM_WORLD
+    return comms.world(_WORLD[0] if _WORLD else None)
 
 
 def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
@@ -52,7 +53,7 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
         _abort_on_uncaught_exceptions(base)
     else:
         default = dist.distributed_c10d._get_default_group()
-        base = default.base if isinstance(default, ProcessGroupMPI) else mpi().COMM_WORLD
+        base = default.base if isinstance(default, ProcessGroupMPI) else comms.world()
         me, world = dist.get_rank(), dist.get_world_size()
         if (me, world) != (base.Get_rank(), base.Get_size()):
             raise ValueError(f"new_group(backend='mpidist'): torch's world is rank {me} of "

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpidist.core.comms import mpi
+from mpidist.core.comms import mpi, test_all, wait_all
 from mpidist.run.launch.guard import abort_with
 
 __all__ = [
@@ -328,7 +328,7 @@ def wait_until(request: Any, seconds: float, pending: dict[Any, Any] | None = No
     """Poll ``request`` (or every request of ``pending``) until done or ``seconds`` have
     passed; True when done. A request not done is abandoned (:func:`abandon`)."""
     requests = [request] if pending is None else list(pending.values())
-    if poll(lambda: mpi().Request.Testall(requests), seconds):
+    if poll(lambda: test_all(requests), seconds):
         return True
     if pending is None:
         abandon(request)
@@ -408,7 +408,7 @@ class Work(dist.Work):
             done = poll(self._test, seconds)
         else:
             with watch(self._what, self._timeout):
-                mpi().Request.Waitall(self._requests, self._statuses)
+                wait_all(self._requests, self._statuses)
             self._complete()
             return True
         if not done:
@@ -418,7 +418,7 @@ class Work(dist.Work):
         return True
 
     def _test(self) -> bool:
-        if not mpi().Request.Testall(self._requests, self._statuses):
+        if not test_all(self._requests, self._statuses):
             return False
         self._complete()
         return True

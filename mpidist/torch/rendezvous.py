@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import torch.distributed as dist
 
-from mpidist.core.comms import mpi
+from mpidist.core.comms import mpi, world
 
 __all__ = ["agree_with_mpi", "check_srun", "check_world", "install", "launched_by_mpi",
            "mpi_store"]
@@ -170,7 +170,7 @@ def _env_handler(url: str, timeout: timedelta = dist.default_pg_timeout,
         yield from original(url, timeout=timeout, **kwargs)
         return
     check_srun()
-    comm = mpi().COMM_WORLD
+    comm = world()
     check_world(comm)
     rank, size = agree_with_mpi(comm, given)
     if have:

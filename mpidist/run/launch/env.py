@@ -141,8 +141,9 @@ def detect_environment(comm: Any = None) -> RuntimeEnvironment:
     from mpi4py import MPI
 
     from mpidist.core.collectives import cuda_aware
+    from mpidist.core.comms import world
 
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()

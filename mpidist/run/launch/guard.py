@@ -193,4 +193,6 @@ def _world() -> Any:
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return None
-    return MPI.COMM_WORLD
+    from mpidist.core.comms import world
+
+    return world()
