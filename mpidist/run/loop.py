@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.comms import world
+from mpidist.core.comms import phase, world
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
@@ -38,6 +38,7 @@ from mpidist.run.preempt import (
     EXIT_PREEMPTED,
     PREEMPT_SIGNALS,
     Preemption,
+    StepAgreement,
     requeue_slurm_job,
     signal_name,
 )
@@ -116,6 +117,8 @@ class _Run:
         signals = [s for s in PREEMPT_SIGNALS if not (self.elastic and s == signal.SIGTERM)]
         self.preemption = Preemption(signals)
         self.preemption.install()
+        # One collective between steps decides, alike on every rank, all that must be.
+        self.agreement = StepAgreement()
         self.opt = make_strategy(cfg, comm)
         self.io_seconds = 0.0
         self._skipped = 0
@@ -288,7 +291,8 @@ class _Run:
         """If any rank got a preemption signal: checkpoint and stop (every rank)."""
         if rec.step >= self.cfg.steps:
             return model  # the run ends here anyway, with its final checkpoint
-        signum = self.preemption.agreed(self.job_comm())
+        with phase("agreement"):
+            signum = self.preemption.agreed(self.job_comm(), self.agreement)
         if not signum:
             return model
         self.preempted = signal_name(signum)

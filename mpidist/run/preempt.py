@@ -1,7 +1,12 @@
-"""Preemption: a signal asks the run to stop after the current step with a checkpoint.
+"""The between-steps agreement, and preemption, its first user.
 
-The handler only records the signal (SIGTERM, or SIGUSR1 as ``#SBATCH --signal=USR1@T``
-sends); between steps the ranks agree (one allreduce) on whether any got one, so every
+Between two steps the ranks of a run agree on everything that must be decided alike with
+one collective: :class:`StepAgreement`, a small int64 vector with a slot per user
+(:data:`AGREEMENT_SLOTS`: preemption, the asynchronous checkpoint's commit, in-job recovery,
+straggler reports), reduced with one ``Allreduce(MAX)`` (a "min" slot travels negated).
+
+Preemption: the handler only records the signal (SIGTERM, or SIGUSR1 as ``#SBATCH
+--signal=USR1@T`` sends); between steps the ranks agree on whether any got one, so every
 rank finishes the same step, writes the same checkpoint and exits with
 :data:`EXIT_PREEMPTED`. With ``--requeue`` under Slurm rank 0 then requeues the job, whose
 next start (``SLURM_RESTART_COUNT`` > 0) resumes. See ``docs/runs.md`` ("Signals").
@@ -20,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EXIT_PREEMPTED", "PREEMPT_SIGNALS", "Preemption", "env_count", "requeue_slurm_job",
-           "requeued_start"]
+__all__ = ["AGREEMENT_SLOTS", "EXIT_PREEMPTED", "PREEMPT_SIGNALS", "Preemption", "StepAgreement",
+           "env_count", "requeue_slurm_job", "requeued_start"]
 
 log = logging.getLogger("mpidist.cli.train")
 
@@ -31,6 +36,68 @@ EXIT_PREEMPTED = 75
 
 #: The signals that preempt a run.
 PREEMPT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+#: The slots of the between-steps agreement, in vector order: (name, "max" or "min"). A new
+#: user adds its slot here, so that every rank has the same vector.
+#:
+#: - ``preempt``: the largest signal number any rank received (0: none);
+#: - ``commit``: the smallest number of the asynchronous save every rank finished writing
+#:   (its commit may happen now); ``commit_error``: a rank's background write failed;
+#: - ``recovery``: a request of in-job recovery (grow back, a membership change);
+#: - ``straggler``: the slowest rank's step time, encoded by its user.
+AGREEMENT_SLOTS: tuple[tuple[str, str], ...] = (
+    ("preempt", "max"), ("commit", "min"), ("commit_error", "max"), ("recovery", "max"),
+    ("straggler", "max"))
+
+_NEUTRAL = np.iinfo(np.int64).min + 1  # what a slot holds that no rank set
+
+
+class StepAgreement:
+    """The between-steps agreement: each user's int64 value in one vector, agreed with one
+    ``Allreduce(MAX)`` over the run's communicator per step.
+
+    ``set(name, value)`` records this rank's value of a slot (kept until set again);
+    :meth:`agree` returns every slot's agreed value: the largest over the ranks for a
+    "max" slot, the smallest for a "min" slot; a slot no rank set reads 0. The slots are
+    :data:`AGREEMENT_SLOTS` on every rank, so the vector has the same layout everywhere.
+    """
+
+    def __init__(self, slots: Sequence[tuple[str, str]] = AGREEMENT_SLOTS) -> None:
+        for name, how in slots:
+            if how not in ("max", "min"):
+                raise ValueError(f"agreement slot {name!r}: reduction {how!r} is not max or min")
+        self.slots = tuple(slots)
+        self._index = {name: i for i, (name, _) in enumerate(self.slots)}
+        self._sign = np.array([1 if how == "max" else -1 for _, how in self.slots],
+                              dtype=np.int64)
+        self._vec = np.full(len(self.slots), _NEUTRAL, dtype=np.int64)
+        self.agreed: dict[str, int] = dict.fromkeys(self._index, 0)
+        self.count = 0
+
+    def set(self, name: str, value: int) -> None:
+        """This rank's value of slot ``name`` from now on. Not collective."""
+        i = self._index[name]
+        self._vec[i] = int(value) * self._sign[i]
+
+    def clear(self, name: str) -> None:
+        """Take this rank's value of slot ``name`` back (as if never set). Not collective."""
+        self._vec[self._index[name]] = _NEUTRAL
+
+    def agree(self, comm: Any) -> dict[str, int]:
+        """Every slot's agreed value (also kept in :attr:`agreed`). Collective over
+        ``comm`` (None or one rank: this rank's values): every rank of the run calls it at
+        the same step boundary."""
+        vec = self._vec.copy()
+        if comm is not None and comm.Get_size() > 1:
+            from mpi4py import MPI
+
+            comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+        self.count += 1
+        self.agreed = {name: 0 if v == _NEUTRAL else int(v * self._sign[i])
+                       for name, i, v in zip(self._index, self._index.values(), vec,
+                                             strict=True)}
+        return self.agreed
 
 
 class Preemption:
@@ -65,14 +132,13 @@ class Preemption:
         if not self.signum:
             self.signum = signum
 
-    def agreed(self, comm: Any) -> int:
-        """The largest signal number any rank received (0: none). Collective over ``comm``."""
-        vec = np.array([self.signum], dtype=np.int64)
-        if comm is not None and comm.Get_size() > 1:
-            from mpi4py import MPI
-
-            comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
-        return int(vec[0])
+    def agreed(self, comm: Any, agreement: StepAgreement | None = None) -> int:
+        """The largest signal number any rank received (0: none). Collective over ``comm``:
+        it agrees ``agreement`` (every slot of the run's between-steps vector; a vector of
+        this slot alone when None)."""
+        agreement = StepAgreement((("preempt", "max"),)) if agreement is None else agreement
+        agreement.set("preempt", self.signum)
+        return agreement.agree(comm)["preempt"]
 
 
 def signal_name(signum: int) -> str:
