@@ -18,12 +18,17 @@ at a level, its gradients communicated by a hook.
 Where every element lives is the :class:`~mpidist.parallel.placement.Placement`'s answer.
 Loss convention: every rank normalises its local loss by the global count, so gradients
 are summed, not averaged, over dp.
+
+This module holds the construction (checks, communicators, storage, initial values) and
+what the level shards; the forward and backward passes and the gradient synchronisation
+are :class:`~mpidist.parallel.model_passes.ModelPasses`', the update, the pipeline's loss
+and whole tensors :class:`~mpidist.parallel.model_tensors.ModelTensors`', the chunks and
+the zero-bubble split :class:`~mpidist.parallel.chunks.StageChunks`' (all three mixed into
+:class:`ShardedModel`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,10 +41,12 @@ from mpidist.core.mesh import MeshShape, resolve_shape
 from mpidist.parallel.chunks import StageChunks, chunk_spans
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.hooks import GradientHook, default_hook
+from mpidist.parallel.model_passes import ModelPasses
+from mpidist.parallel.model_tensors import ModelTensors
 from mpidist.parallel.pipeline import BALANCES, cut_virtual_stages
 from mpidist.parallel.placement import Placement
 from mpidist.parallel.precision import check_placement, compute_dtype
-from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
+from mpidist.parallel.tensor import tensor_parallel_styles
 
 __all__ = ["ShardedModel", "has_units", "resolve_mesh_shape", "units_of"]
 
@@ -101,7 +108,7 @@ def tensor_users(units: list[Any]) -> dict[str, list[int]]:
     return users
 
 
-class ShardedModel(StageChunks):
+class ShardedModel(ModelPasses, ModelTensors, StageChunks):
     """This rank's part of a model: its pipeline stage's units, in their tensor-parallel
     form when tp > 1, in the flat storage of sharding ``level`` over dp.
 
@@ -378,309 +385,7 @@ class ShardedModel(StageChunks):
         """The flat array holding this rank's parameters (full layout, or local shard)."""
         return self.param_shard if self.level == 3 else self.params
 
-    # -- gradient synchronisation ------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside, backward accumulates gradients locally without synchronising them
-        (gradient accumulation); the first synchronised backward after it reduces the sum.
-        Levels 2-3 reduce-scatter every backward and ignore it."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
-        """The context a training step runs a micro-batch in: synchronise on the last."""
-        return contextlib.nullcontext() if last else self.no_sync()
-
-    def zero_grad(self) -> None:
-        """Zero this rank's gradient storage. Not collective."""
-        (self.grads if self.level < 2 else self.grad_shard).fill(0)
-
-    def _start_bucket(self, i: int, *, blocking: bool = False) -> None:
-        if i not in self._pending:
-            b = self.buckets[i]
-            self._pending[i] = self.hook.start(i, self.grads[b.start:b.stop], blocking=blocking)
-
-    def _progress(self) -> None:
-        if self.level < 2:
-            for req in self._pending.values():
-                req.test()
-        else:
-            self._fold(wait=False)
-        self.hook.progress()
-
-    def sync_gradients(self) -> None:
-        """Start every bucket not yet started (levels 0-1; blocking for the synchronous
-        hooks: Open MPI's blocking collectives are tuned better than its nonblocking ones,
-        so without overlap there is nothing to gain from nonblocking calls). Collective
-        over the shard group."""
-        if self.level < 2:
-            for i in range(len(self.buckets)):
-                self._start_bucket(i, blocking=True)
-
-    def finish_gradient_sync(self) -> None:
-        """Complete every pending gradient reduction. Collective over the shard group."""
-        if self.level >= 2:
-            self._fold(wait=True)
-            return
-        if self.hook.exchanges_in_backward and self.hook.required():
-            self.sync_gradients()
-        C.wait_all(list(self._pending.values()))
-        self._pending.clear()
-
-    def _start_unit(self, u: int, gbuf: np.ndarray) -> None:
-        req = self.hook.start_scatter(u, gbuf)
-        self._rs_pending.append((req, gbuf, u))
-        self._track(self.layout.units[u].shard * self.dtype.itemsize)
-
-    def _fold(self, wait: bool, max_pending: int = 1) -> None:
-        """Fold finished unit reductions into the gradient shard; with ``wait``, all of
-        them. At most ``max_pending`` stay in flight (a working set of a few units)."""
-        keep = []
-        for i, (req, buf, u) in enumerate(self._rs_pending):
-            in_flight_after = len(self._rs_pending) - i - 1 + len(keep)
-            if wait or in_flight_after >= max_pending or req.test():
-                shard = req.wait()
-                self.layout.unit_local(u, self.grad_shard)[:] += shard
-                self._untrack(buf.nbytes + self.layout.units[u].shard * self.dtype.itemsize)
-            else:
-                keep.append((req, buf, u))
-        self._rs_pending = keep
-
-    # -- forward and backward ---------------------------------------------------------------
-    def _gather(self, u: int) -> Any:
-        buf = self.xp.empty(self.layout.units[u].padded, dtype=self._compute.dtype)
-        self._track(buf.nbytes)
-        return C.iallgather(self.layout.unit_local(u, self._compute), comm=self.shard_comm, out=buf)
-
-    def sync_compute_parameters(self) -> None:
-        """Mixed precision: copy the master weights into the 16-bit copy the layers run with
-        (the engine does before each step and evaluation). Not collective."""
-        if self.compute_dtype is not None:
-            self._compute[...] = self.parameter_storage
-
-    def _release(self, u: int, buf: np.ndarray) -> None:
-        self.units[u].unbind()
-        self._untrack(buf.nbytes)
-
-    # -- activation checkpointing ------------------------------------------------------------
-    def _unit_forward(self, u: int, h: Any, ctx: Any) -> Any:
-        if not self._recompute:
-            return self.units[u].forward(h, ctx)
-        self._kept[(u, ctx)] = h  # only the unit's input stays alive until its backward
-        out = self.units[u].forward(h, ctx)
-        self.units[u].clear_cache(ctx, every=False)
-        return out
-
-    def _unit_backward(self, u: int, dy: Any, ctx: Any) -> Any:
-        if self._recompute:
-            self.units[u].forward(self._kept.pop((u, ctx)), ctx)
-        return self.units[u].backward(dy, ctx)
-
-    def clear_cache(self) -> None:
-        """Forget every activation kept for backward (after an evaluation forward)."""
-        self.local_module.clear_cache()
-        self._kept.clear()
-
-    def forward(self, x: Any, ctx: Any = None, chunk: int | None = None) -> Any:
-        """Forward through this rank's units (of ``chunk`` only, when given). Collective
-        over the shard group at level 3 (each unit gathered just in time, the next one
-        prefetched); not collective else."""
-        lo, n = self.chunk_span(chunk)
-        if self.level < 3:
-            h = x
-            for u in range(lo, n):
-                h = self._unit_forward(u, h, ctx)
-            return h
-        prefetch = self.config.prefetch
-        pending = self._gather(lo)
-        h = x
-        for u in range(lo, n):
-            buf = pending.wait()
-            if prefetch and u + 1 < n:
-                pending = self._gather(u + 1)
-            self.units[u].bind(self.layout.unit_views(u, buf), None)
-            h = self._unit_forward(u, h, ctx)
-            self._release(u, buf)
-            del buf
-            if not prefetch and u + 1 < n:
-                pending = self._gather(u + 1)
-        return h
-
-    def backward(self, dy: Any, ctx: Any = None, chunk: int | None = None) -> Any:
-        """Backward through this rank's units (of ``chunk`` only, when given), handing each
-        finished gradient piece to the hook; returns the input gradient of the first unit.
-        Collective over the shard group when gradients are synchronised (every rank runs
-        the same number of backwards). A step's backwards of several chunks must end with
-        chunk 0's (as the interleaved schedule does): a gradient bucket starts once the
-        lowest unit it holds has run its synchronised backward."""
-        lo, hi = self.chunk_span(chunk)
-        if self.level >= 2:
-            return self._backward_units(dy, ctx, lo, hi)
-        sync = self._sync_enabled and self.config.auto_sync_gradients \
-            and self.hook.exchanges_in_backward
-        overlap = sync and self.config.overlap and self.hook.required()
-        for u in range(hi - 1, lo - 1, -1):
-            dy = self._unit_backward(u, dy, ctx)
-            if overlap:
-                for i, after in enumerate(self._bucket_unit):
-                    if after == u:
-                        self._start_bucket(i)
-            self._progress()
-        if sync and not overlap and self.hook.required() and lo == 0:
-            self.sync_gradients()
-        return dy
-
-    def _backward_units(self, dy: Any, ctx: Any, lo: int, hi: int) -> Any:
-        """Levels 2-3: each unit's gradients go to a working buffer handed to the hook as
-        soon as the unit is done (at level 3 the unit is gathered first)."""
-        gathered = self.level == 3
-        prefetch = self.config.prefetch
-        pending = self._gather(hi - 1) if gathered else None
-        for u in range(hi - 1, lo - 1, -1):
-            if pending is not None:
-                buf = pending.wait()
-                pending = None
-                if prefetch and u > lo:
-                    pending = self._gather(u - 1)
-                pviews = self.layout.unit_views(u, buf)
-            else:
-                pviews = self.layout.unit_views(u, self.layout.unit_full(u, self._compute))
-            gbuf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
-            self._track(gbuf.nbytes)
-            self.units[u].bind(pviews, self.layout.unit_views(u, gbuf))
-            dy = self._unit_backward(u, dy, ctx)
-            if gathered:
-                self._release(u, buf)
-                del buf
-            else:
-                self.units[u].bind(pviews, None)
-            self._start_unit(u, gbuf)
-            self._progress()
-            if gathered and not prefetch and u > lo:
-                pending = self._gather(u - 1)
-        return dy
-
-    # -- the update ---------------------------------------------------------------------------
-    def update_pieces(self) -> list[tuple[np.ndarray, np.ndarray, slice]]:
-        """``(param, grad, state_slice)`` flat pieces the optimizer updates on this rank."""
-        lay = self.layout
-        if self.level == 0:
-            return [(self.params, self.grads, slice(0, lay.full_size))]
-        if self.level == 3:
-            return [(self.param_shard, self.grad_shard, slice(0, lay.local_size))]
-        out = []
-        for u, span in enumerate(lay.units):
-            p = lay.unit_shard_of_full(u, self.params)
-            g = lay.unit_shard_of_full(u, self.grads) if self.level == 1 \
-                else lay.unit_local(u, self.grad_shard)
-            out.append((p, g, slice(span.local_offset, span.local_offset + span.shard)))
-        return out
-
-    def after_update(self) -> None:
-        """Allgather every unit's updated shards (levels 1-2). Collective over the shard
-        group."""
-        if self.level in (1, 2):
-            self.placement.allgather_units(self.params, comm=self.shard_comm)
-
-    def _local_grad(self, u: int) -> np.ndarray:
-        """This rank's shard of unit u's synchronised gradients."""
-        if self.level >= 2:
-            return self.layout.unit_local(u, self.grad_shard)
-        return self.layout.unit_shard_of_full(u, self.grads)
-
-    def grad_sq_norm(self) -> float:
-        """Squared global L2 norm of the synchronised gradients: a tp-split tensor counts
-        each slice once, a tp-replicated one once, each dp shard once, summed over the
-        stages. Collective over the mesh (3D), the shard group (levels 2-3), or not."""
-        if self._is_3d:
-            total = 0.0
-            for u in range(len(self.layout.units)):
-                g = self._local_grad(u)
-                w = self.layout.unit_local(u, self._norm_mask)
-                total += float(self.xp.dot(g * w, g))
-            buf = np.array([total])
-            C.allreduce(buf, "sum", comm=self.mesh.comm)
-            return float(buf[0])
-        if self.level < 2:  # synchronised gradients are whole on every rank
-            return float(self.xp.dot(self.grads, self.grads))
-        total_ = np.array([float(self.xp.dot(self.grad_shard, self.grad_shard))])
-        C.allreduce(total_, "sum", comm=self.shard_comm)
-        return float(total_[0])
-
-    # -- the pipeline's loss ------------------------------------------------------------------
-    def stage_loss(self, loss: Any) -> Any:
-        """The loss the last stage runs: when tensor parallelism shards the output over the
-        vocabulary, a :class:`CrossEntropyLoss` becomes the vocab-parallel cross-entropy
-        over tp (same value, vocabulary-sharded logits)."""
-        if self.tp_size == 1 or not vocab_sharded(self.module, self.tp_styles):
-            return loss
-        check_loss(loss, self.tp_size)
-        if self._loss_cache is None or self._loss_cache[0] is not loss:
-            self._loss_cache = (loss, self.local_module.loss())
-        return self._loss_cache[1]
-
-    # -- whole tensors (state dicts, checkpoints, serialisation) ------------------------------
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the whole model with its global shape. Pure."""
-        return dict(self.placement.global_shapes)
-
-    @property
-    def global_layout(self) -> Any:
-        """The single-process layout of the whole model (what serialised bytes describe)."""
-        return self.placement.global_layout
-
-    def gather_state(self, local: np.ndarray) -> np.ndarray:
-        """A state array in the stage's full layout from this rank's. Collective over the
-        shard group when the state is sharded."""
-        return self.placement.gather(local, comm=self.shard_comm, sharded=self.shards_state)
-
-    def scatter_state(self, full: np.ndarray, local: np.ndarray) -> None:
-        """Copy this rank's part of a full-layout state array into ``local``. Not collective."""
-        self.placement.scatter(full, local, sharded=self.shards_state)
-
-    def _global(self, full: np.ndarray) -> dict[str, np.ndarray]:
-        return self.placement.global_tensors(full, tp_comm=self.tp_comm, pp_comm=self.pp_comm)
-
-    def full_parameters(self) -> dict[str, np.ndarray]:
-        """Every parameter as a global array (copies). Collective over the mesh."""
-        full = self.params if self.level < 3 else self.placement.gather(
-            self.param_shard, comm=self.shard_comm)
-        return self._global(full)
-
-    def load_full_parameters(self, params: dict[str, np.ndarray]) -> None:
-        """Take this rank's part of global parameter arrays. Not collective."""
-        full = self.placement.local_full(params, self.dtype)
-        if self.level < 3:
-            self.params[...] = self.device.asarray(full)
-        else:
-            self.placement.scatter(full, self.param_shard)
-        self.sync_compute_parameters()
-
-    def state_tensors(self, local: np.ndarray) -> dict[str, np.ndarray]:
-        """A state array of this rank as whole named global tensors. Collective."""
-        return self._global(self.gather_state(local))
-
-    def load_state_tensors(self, tensors: dict[str, np.ndarray], local: np.ndarray) -> None:
-        """Fill this rank's state array from whole named tensors. Not collective."""
-        self.scatter_state(self.placement.local_full(tensors, local.dtype), local)
-
-    def checkpoint_pieces(self, state_buffers: dict[str, np.ndarray], *, for_writing: bool
-                          ) -> list[tuple[str, slice, np.ndarray]]:
-        """This rank's pieces of every checkpoint tensor (see
-        :meth:`Placement.checkpoint_pieces`; with several sharded replicas, replica 0
-        writes them). Not collective."""
-        if for_writing and self.level > 0 and self.replica > 0:
-            return []
-        return self.placement.checkpoint_pieces(self.parameter_storage, state_buffers,
-                                                for_writing=for_writing)
-
-    def memory_report(self) -> dict[str, int]:
-        """This rank's bytes of parameters, gradients, and the peak working set."""
-        return dict(self.memory)
-
+    # -- freeing ------------------------------------------------------------------------------
     def free(self) -> None:
         """Free the communicators this model created. Collective over the mesh."""
         self.hook.free()

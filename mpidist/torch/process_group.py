@@ -3,16 +3,18 @@ on the group's own communicators (:mod:`mpidist.torch.backend` has the whole pic
 the argument conventions of torch's ``ProcessGroup`` methods. Sums, minima, maxima,
 all-gathers and broadcasts are mpidist.core.collectives' calls (two levels across nodes);
 every check that could fail runs before anything is communicated.
+
+:class:`ProcessGroupMPI` holds the collective operations (reductions, gathers, scatters,
+all-to-all); it inherits the barriers and point-to-point operations from
+:mod:`mpidist.torch.group_p2p` and the communicators, lifecycle and execution plumbing
+from :mod:`mpidist.torch.group_base`. ``BACKEND`` and :func:`live_communicators` are
+re-exported from there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,8 +24,9 @@ from torch._C import _distributed_c10d as c10d  # the options classes torch pass
 from mpidist.core import collectives as C
 from mpidist.core.comms import mpi
 from mpidist.torch import ops
-from mpidist.torch._common import overlap
-from mpidist.torch.mixed import handoff, make_backend, parse_config
+from mpidist.torch.group_base import BACKEND, live_communicators, one_tensor
+from mpidist.torch.group_p2p import P2PGroup
+from mpidist.torch.mixed import handoff
 from mpidist.torch.ops import (
     Work,
     as_host,
@@ -37,26 +40,6 @@ from mpidist.torch.ops import (
 
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators"]
 
-BACKEND = "mpidist"
-_MONITOR_TAG = 32000  # (MPI guarantees tags up to 32767)
-_GROUPS: weakref.WeakSet = weakref.WeakSet()
-
-
-def live_communicators() -> int:
-    """How many MPI communicators the backend's groups hold now (two per live group)."""
-    return sum(g.communicators() for g in list(_GROUPS))
-
-
-def _one(tensors: Sequence[Any], what: str) -> Any:
-    if len(tensors) != 1:
-        raise ValueError(f"{what}: the mpidist backend takes one tensor (or one list) per "
-                         f"call; got {len(tensors)}")
-    return tensors[0]
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
-
 
 def _same_dtype(what: str, dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
@@ -64,207 +47,17 @@ def _same_dtype(what: str, dtype: torch.dtype, tensors: Sequence[torch.Tensor]) 
             raise ValueError(f"{what}: tensors of {dtype} and {t.dtype} mixed in one call")
 
 
-class _Call:
-    """One operation's stay in MPI (see :meth:`ProcessGroupMPI._on`)."""
-
-    __slots__ = ("_extra", "_group", "_guard", "_lock", "_tensors", "_what", "side")
-
-    def __init__(self, group: ProcessGroupMPI, what: str, tensors: tuple, extra: Any) -> None:
-        self._group, self._what, self._tensors, self._extra = group, what, tensors, extra
-        self._lock: Any = None
-        self._guard: Any = None
-        # Which communicator is decided by the thread that issues the call (the group's
-        # communication thread runs calls issued by the thread that made the group).
-        self.side = threading.get_ident() != group._owner
-
-    def _label(self) -> str:
-        g = self._group
-        return f"{self._what} on group {g._name or '?'} ({g._n} ranks)"
-
-    def __enter__(self) -> Any:
-        g = self._group
-        g._check_live(self._what)
-        if not self.side:
-            comm = g._comm
-        else:
-            comm, self._lock = g._side, g._side_lock
-            self._lock.acquire()
-        try:
-            if C.debug_enabled():
-                shapes = " ".join(_describe(t) for t in self._tensors)
-                C.check_signature(comm, f"{self._what} {self._extra} {shapes}")
-            self._guard = ops.watch(self._label, g._timeout)
-            self._guard.__enter__()
-        except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-            raise
-        return comm
-
-    def __exit__(self, *exc: Any) -> None:
-        self._guard.__exit__(*exc)
-        if self._lock is not None:
-            self._lock.release()
-
-
-def _execute(call: _Call, body: Callable[[Any], None]) -> None:
-    with call as comm:
-        body(comm)
-
-
-class ProcessGroupMPI(dist.ProcessGroup):
+class ProcessGroupMPI(P2PGroup):
     """A torch ProcessGroup whose operations are MPI calls on its own communicators.
 
     Made by torch through :func:`register`'s creator for ``init_process_group("mpidist")``,
     ``new_group(..., backend="mpidist")`` and DeviceMesh; not constructed by users.
     """
 
-    def __init__(self, comm: Any, side: Any, base: Any, timeout: timedelta,
-                 store: Any = None) -> None:
-        super().__init__(comm.Get_rank(), comm.Get_size())
-        self._comm, self._side, self._base = comm, side, base
-        self._n, self._r = comm.Get_size(), comm.Get_rank()
-        self._owner = threading.get_ident()
-        self._side_lock = threading.RLock()
-        self._timeout = timeout
-        self._store = store
-        self._name = ""
-        self._desc = ""
-        self._coalescing: list[Work] | None = None
-        self._config: dict[str, str] | None = None
-        self._others: dict[str, Any] = {}
-        self._overlap = overlap()
-        self._thread: ops.CommThread | None = None
-        _GROUPS.add(self)
-
-    # -- identity ------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
-        return BACKEND
-
-    name = _get_backend_name = getBackendName
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
-
-    @property
-    def comm(self) -> Any:
-        """The group's MPI communicator (the backend's own duplicate; use it only for
-        reading its size and ranks, or for MPI calls no torch operation overlaps)."""
-        return self._comm
-
-    @property
-    def base(self) -> Any:
-        """The communicator this group's ranks are numbered in (the world it was made in)."""
-        return self._base
-
-    def communicators(self) -> int:
-        """How many MPI communicators this group still holds."""
-        return int(self._comm is not None) + int(self._side is not None)
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        """Change the group's timeout (see the module docstring)."""
-        self._timeout = timeout
-
-    def shutdown(self) -> None:
-        """Free the group's communicators (torch calls it in ``destroy_process_group``)."""
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
-        finalized = mpi().Is_finalized()
-        for attr in ("_side", "_comm"):
-            comm = getattr(self, attr)
-            if comm is not None and comm != mpi().COMM_NULL and not finalized:
-                comm.Free()
-            setattr(self, attr, None)
-        for other in self._others.values():
-            with contextlib.suppress(Exception):
-                other.shutdown()
-        self._others.clear()
-
-    def abort(self) -> None:
-        """Same as :meth:`shutdown` (MPI operations cannot be cancelled)."""
-        self.shutdown()
-
-    # -- plumbing ------------------------------------------------------------------------
-    def _on(self, what: str, *tensors: torch.Tensor, extra: Any = "") -> _Call:
-        """``with self._on(...) as comm``: the communicator to use from this thread, after
-        the debug check (``what``, ``extra``, the tensors' dtypes and shapes), under the
-        watchdog."""
-        return _Call(self, what, tensors, extra)
-
-    def _check_live(self, what: str) -> None:
-        if self._comm is None:
-            raise RuntimeError(f"{what}: process group {self._name!r} was destroyed")
-
-    def _work(self, work: Work) -> Work:
-        if self._coalescing is not None:
-            self._coalescing.append(work)
-        return work
-
-    def _done(self, result: list[torch.Tensor]) -> Work:
-        return self._work(Work(result))
-
-    def _run(self, call: _Call, body: Callable[[Any], None], result: list[torch.Tensor],
-             opts: Any) -> Work:
-        """Run an operation's MPI call and what follows it (``body(comm)``): now, on this
-        thread; or, for an asynchronous call (``opts.asyncOp``) with overlap on, on the
-        group's communication thread, in the order the calls were issued."""
-        if not call.side and self._overlap and getattr(opts, "asyncOp", False):
-            if self._thread is None:
-                self._thread = ops.CommThread(f"mpidist-comm-{self._name or '?'}")
-            work = Work(result, pending=True, what=call._what, timeout=self._timeout)
-            self._thread.submit(lambda: _execute(call, body), work)
-            return self._work(work)
-        if not call.side:
-            self._drain()
-        _execute(call, body)
-        return self._done(result)
-
-    def _drain(self) -> None:
-        """Wait until the communication thread has run every call issued before."""
-        if self._thread is not None:
-            self._thread.drain()
-
-    def backend_for(self, device: str) -> Any:
-        """The torch backend that runs this group's operations on ``device`` tensors when
-        the group was made with a mixed backend string (``"cpu:mpidist,cuda:nccl"``),
-        created on first use (collective over the group); None where mpidist runs them."""
-        if self._config is None:
-            try:
-                self._config = parse_config(dist.get_backend_config(self))
-            except Exception:  # not registered with torch (yet): ours alone
-                return None
-        name = self._config.get(device, BACKEND)
-        if name == BACKEND:
-            return None
-        if device not in self._others:
-            self._others[device] = make_backend(name, device, self._store, self._r, self._n,
-                                                self._timeout, self._name)
-        return self._others[device]
-
-    def _start_coalescing(self, device: Any = None) -> None:
-        self._coalescing = []
-
-    def _end_coalescing(self, device: Any = None) -> Work:
-        works, self._coalescing = self._coalescing or [], None
-        result = [t for w in works for t in w.outputs]
-        return ops.CoalescedWork(works, result)
-
     # -- reductions ----------------------------------------------------------------------
     @handoff("allreduce", (0, 0), c10d.AllreduceOptions, 1)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        t = _one(tensors, "all_reduce")
+        t = one_tensor(tensors, "all_reduce")
         op = (opts or c10d.AllreduceOptions()).reduceOp
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, op)
@@ -329,7 +122,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @handoff("reduce", (0, 0), c10d.ReduceOptions, 1)
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or c10d.ReduceOptions()
-        t = _one(tensors, "reduce")
+        t = one_tensor(tensors, "reduce")
         root = self._check_root(opts.rootRank, "reduce")
         red = reduction(opts.reduceOp, t.dtype, "reduce")
         wire = red.prepare(t)
@@ -347,7 +140,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> Work:
         opts = opts or c10d.ReduceScatterOptions()
-        out, ins = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")
+        out, ins = one_tensor(outputs, "reduce_scatter"), one_tensor(inputs, "reduce_scatter")
         n, r = self._n, self._r
         if len(ins) != n:
             raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
@@ -412,7 +205,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @handoff("broadcast", (0, 0), c10d.BroadcastOptions, 1)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or c10d.BroadcastOptions()
-        t = _one(tensors, "broadcast")
+        t = one_tensor(tensors, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
         buf = as_host(t) if self._r == root else scratch(t)
 
@@ -426,7 +219,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @handoff("allgather", (1, 0), c10d.AllgatherOptions, 2)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Work:
-        t, outs = _one(inputs, "all_gather"), _one(outputs, "all_gather")
+        t, outs = one_tensor(inputs, "all_gather"), one_tensor(outputs, "all_gather")
         self._gather_lists("all_gather", t, outs)
         counts = [o.numel() for o in outs]
         buf = torch.empty(sum(counts), dtype=t.dtype)
@@ -497,11 +290,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> Work:
         opts = opts or c10d.GatherOptions()
-        t = _one(inputs, "gather")
+        t = one_tensor(inputs, "gather")
         root = self._check_root(opts.rootRank, "gather")
         src = as_host(t)
         if self._r == root:
-            outs = _one(outputs, "gather")
+            outs = one_tensor(outputs, "gather")
             self._gather_lists("gather", t, outs)
             counts = [o.numel() for o in outs]
             buf = torch.empty(sum(counts), dtype=t.dtype)
@@ -522,11 +315,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> Work:
         opts = opts or c10d.ScatterOptions()
-        out = _one(outputs, "scatter")
+        out = one_tensor(outputs, "scatter")
         root = self._check_root(opts.rootRank, "scatter")
         buf = scratch(out)
         if self._r == root:
-            ins = _one(inputs, "scatter")
+            ins = one_tensor(inputs, "scatter")
             self._gather_lists("scatter", out, ins)
             counts = [t.numel() for t in ins]
             send: torch.Tensor | None = torch.cat([as_host(t).reshape(-1) for t in ins])
@@ -599,89 +392,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                              f"{n} sizes summing to the {what}'s {rows} rows")
         return [int(s) * row for s in sizes]
 
-    def barrier(self, opts: Any = None) -> Work:
-        """Wait for every rank. Past the group's timeout: RuntimeError on this rank (a
-        barrier holds no data, so it can be left behind, unlike a data collective)."""
-        timeout = self._timeout
-        if opts is not None and opts.timeout.total_seconds() > 0:
-            timeout = opts.timeout
-        self._drain()
-        with self._on("barrier") as comm:
-            req = comm.Ibarrier()
-        if not ops.wait_until(req, timeout.total_seconds()):
-            raise RuntimeError(f"barrier on group {self._name!r}: Timed out after "
-                               f"{timeout.total_seconds():g} s waiting for the other ranks ")
-        return self._done([])
-
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> None:
-        """gloo's monitored barrier: rank 0 waits ``timeout`` (default the group's) for
-        every other rank and raises RuntimeError naming the first rank that did not arrive
-        (every such rank with ``wait_all_ranks``); the others wait for rank 0's release."""
-        limit = (self._timeout if timeout is None else timeout).total_seconds()
-        rank, n = self._r, self._n
-        self._check_live("monitored_barrier")
-        self._drain()
-        tag = _MONITOR_TAG
-        token = torch.zeros(1, dtype=torch.uint8)
-        if rank != 0:
-            self._comm.Send(spec(token), 0, tag)
-            if not ops.wait_until(self._comm.Irecv(spec(token), 0, tag), limit):
-                raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but "
-                                   f"was not released by rank 0 within {limit:g} s")
-            return
-        if limit <= 0 and n > 1:
-            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {limit * 1e3:g} ms")
-        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(n)]
-        reqs = {r: self._comm.Irecv(spec(tokens[r]), r, tag) for r in range(1, n)}
-        ops.wait_until(None, limit, pending=reqs)
-        late = sorted(r for r, req in reqs.items() if not req.Test())
-        if late:
-            for r in late:
-                reqs[r].Cancel()
-                ops.abandon(reqs[r])
-            shown = late if wait_all_ranks else late[:1]
-            who = "Ranks " + ", ".join(map(str, shown)) if len(shown) > 1 else f"Rank {late[0]}"
-            raise RuntimeError(f"{who} failed to pass monitoredBarrier in {limit * 1e3:g} ms")
-        for r in range(1, n):
-            self._comm.Send(spec(token), r, tag)
-
     def _check_root(self, root: int, what: str) -> int:
         if not 0 <= root < self._n:
             raise ValueError(f"{what}: root {root} is outside a group of {self._n}")
         return root
-
-    # -- point to point ------------------------------------------------------------------
-    def _peer(self, peer: int, what: str, tag: int) -> None:
-        if not 0 <= peer < self._n:
-            raise ValueError(f"{what}: rank {peer} is outside a group of {self._n}")
-        if tag < 0:
-            raise ValueError(f"{what}: tag={tag} must be >= 0 for MPI")
-        self._check_live(what)
-
-    @handoff("send", (0, 0))
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        t = _one(tensors, "send")
-        self._peer(dst, "send", tag)
-        src = as_host(t)
-        req = self._comm.Isend(spec(src), dst, tag)
-        return self._work(Work([t], [req], keep=(src,), what=f"send to {dst}",
-                               timeout=self._timeout))
-
-    @handoff("recv", (0, 0))
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        t = _one(tensors, "recv")
-        self._peer(src, "recv", tag)
-        return self._irecv(t, src, tag, f"recv from {src}")
-
-    @handoff("recv_anysource", (0, 0))
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        t = _one(tensors, "recv")
-        self._peer(0, "recv", tag)
-        return self._irecv(t, mpi().ANY_SOURCE, tag, "recv from any source")
-
-    def _irecv(self, t: torch.Tensor, src: int, tag: int, what: str) -> Work:
-        buf = scratch(t)
-        req = self._comm.Irecv(spec(buf), src, tag)
-        return self._work(Work([t], [req], finish=lambda: write_back(t, buf), keep=(buf,),
-                               what=what, timeout=self._timeout))
