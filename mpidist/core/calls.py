@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Call", "add_hook", "begin", "end", "fail", "hooks", "inside", "last_progress",
-           "phase", "remove_hook", "set_step", "step_phase", "test_all", "track", "wait",
-           "wait_all"]
+__all__ = ["Call", "add_hook", "begin", "blocked_in", "end", "fail", "hooks", "inside",
+           "last_progress", "pending", "phase", "remove_hook", "run", "set_step", "step_phase",
+           "test_all", "track", "wait", "wait_all"]
 
 
 class Call:
@@ -262,7 +262,8 @@ def _finish(reqs: Sequence[Any]) -> None:
             end(call)
 
 
-def _pending(reqs: Sequence[Any]) -> Call | None:
+def pending(reqs: Sequence[Any]) -> Call | None:
+    """The first call among traced requests ``reqs`` that has not completed (None: none)."""
     for r in reqs:
         call = getattr(r, "__dict__", {}).get("_mpd_call")
         if call is not None:
@@ -271,7 +272,7 @@ def _pending(reqs: Sequence[Any]) -> Call | None:
 
 
 def _failed(reqs: Sequence[Any], exc: BaseException) -> None:
-    call = _pending(reqs)
+    call = pending(reqs)
     if call is not None:
         for r in reqs:
             getattr(r, "__dict__", {}).pop("_mpd_call", None)
@@ -291,7 +292,7 @@ def wait_all(reqs: Sequence[Any], statuses: Any = None) -> None:
     from mpi4py import MPI
 
     try:
-        with blocked_in(_pending(reqs)):
+        with blocked_in(pending(reqs)):
             if statuses is None:
                 MPI.Request.Waitall(list(reqs))
             else:

@@ -51,6 +51,7 @@ from mpidist.core.checks import (
     set_debug,
     two_level,
 )
+from mpidist.core.comms import traced
 from mpidist.core.gathers import (
     allgather,
     allgather_inplace,
@@ -101,6 +102,7 @@ def iallreduce(
     spans nodes, see :mod:`mpidist.core.topology`) or "auto" (two levels from
     ``MPIDIST_HIERARCHICAL_MIN_BYTES`` up); None reads ``MPIDIST_COLLECTIVES`` (default auto).
     """
+    comm = traced(comm)
     check_op(op)
     b = check_array(buf, "allreduce buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
@@ -133,6 +135,7 @@ def allreduce(
     ``op``: sum, avg (sum then one scaling pass by 1/size), max or min. ``algorithm`` as in
     :func:`iallreduce`.
     """
+    comm = traced(comm)
     check_op(op)
     b = check_array(buf, "allreduce buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
@@ -174,6 +177,7 @@ def ireduce_scatter(
     ``s = ceil(len(buf)/n)``. ``out`` (length ``s``) receives the shard if given.
     ``op`` is sum or avg; ``algorithm`` as in :func:`iallreduce`.
     """
+    comm = traced(comm)
     check_op(op, ("sum", "avg"))
     b = check_array(buf, "reduce_scatter buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)
@@ -223,6 +227,7 @@ def reduce_scatter(
 
     Collective over ``comm``.
     """
+    comm = traced(comm)
     check_op(op, ("sum", "avg"))
     check_array(buf, "reduce_scatter buffer", reduce=True)
     algorithm = _topo.check_algorithm(algorithm)

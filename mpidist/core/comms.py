@@ -212,13 +212,13 @@ def _kind(comm: Any) -> str:
 
 def traced(comm: Any) -> Any:
     """``comm`` as a traced communicator (the same MPI handle), registered under its
-    identity; None and ``COMM_NULL`` as they are. Not collective (a user's communicator is
+    identity; None, ``COMM_NULL`` and objects that are not MPI communicators as they are. Not collective (a user's communicator is
     named by its members' ranks, a purely local computation)."""
     if comm is None or "_mpd" in getattr(comm, "__dict__", {}):
         return comm
     MPI = mpi()
-    if comm == MPI.COMM_NULL:
-        return comm
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        return comm  # (a proxy over a traced communicator, such as a byte counter)
     handle = comm.py2f()
     with _LOCK:
         known = _FOREIGN.get(handle)

@@ -25,6 +25,7 @@ from mpidist.core.checks import (
     two_level,
     wire,
 )
+from mpidist.core.comms import traced
 from mpidist.core.requests import Request, mpi
 
 __all__ = [
@@ -44,6 +45,7 @@ def iallgather(
     :func:`reduce_scatter`). ``out``, if given, must hold ``size * len(shard)`` elements.
     ``algorithm`` as in :func:`iallreduce`.
     """
+    comm = traced(comm)
     sh = check_array(shard, "allgather shard")
     algorithm = _topo.check_algorithm(algorithm)
     n = group_size(comm)
@@ -90,6 +92,7 @@ def allgather(
     algorithm: str | None = None,
 ) -> Any:
     """Gather equal-length shards from every rank (see :func:`iallgather`). Collective."""
+    comm = traced(comm)
     algorithm = _topo.check_algorithm(algorithm)
     kw = {"comm": comm, "numel": numel, "out": out, "algorithm": algorithm}
     if group_size(comm) == 1 or _dev.is_device(shard) or (out is not None and _dev.is_device(out)):
@@ -118,6 +121,7 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
     buffers are built padded). ``wait()`` returns ``buf`` with every segment filled.
     ``algorithm`` as in :func:`iallreduce`.
     """
+    comm = traced(comm)
     b = check_array(buf, "allgather buffer")
     algorithm = _topo.check_algorithm(algorithm)
     n = group_size(comm)
@@ -145,6 +149,7 @@ def iallgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = No
 
 def allgather_inplace(buf: Any, *, comm: Any = None, algorithm: str | None = None) -> Any:
     """In-place allgather (see :func:`iallgather_inplace`); returns ``buf``. Collective."""
+    comm = traced(comm)
     algorithm = _topo.check_algorithm(algorithm)
     n = group_size(comm)
     if n == 1 or _dev.is_device(buf):
@@ -164,6 +169,7 @@ def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> An
     of ``counts[r]`` elements of ``buf`` (segments in rank order); returns ``buf`` with
     every segment filled. Collective over ``comm``; every rank passes the same ``counts``.
     Always flat (the two-level stages need equal segments)."""
+    comm = traced(comm)
     b = check_array(buf, "allgather buffer")
     n = group_size(comm)
     if len(counts) != n or sum(counts) != b.size or min(counts, default=0) < 0:
@@ -184,6 +190,7 @@ def allgather_varied(buf: Any, counts: Sequence[int], *, comm: Any = None) -> An
 # -- broadcast ----------------------------------------------------------------------------
 def broadcast(buf: Any, root: int = 0, *, comm: Any = None) -> Any:
     """Broadcast ``buf`` from ``root`` in place and return it. Collective over ``comm``."""
+    comm = traced(comm)
     b = check_array(buf, "broadcast buffer")
     n = group_size(comm)
     if not 0 <= root < n:

@@ -11,6 +11,7 @@ from typing import Any
 
 from mpidist.core import devices as _dev
 from mpidist.core.checks import check_array, wire
+from mpidist.core.comms import traced
 from mpidist.core.requests import Request
 
 __all__ = ["irecv", "isend", "recv", "send"]
@@ -29,6 +30,7 @@ def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
 
     The buffer must not be modified until the request completes.
     """
+    comm = traced(comm)
     b = check_array(buf, "send buffer")
     _check_peer(dest, comm, "dest")
     host, _ = _dev.stage(b)
@@ -37,11 +39,13 @@ def isend(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> Request:
 
 def send(buf: Any, dest: int, *, comm: Any, tag: int = 0) -> None:
     """Send ``buf`` to rank ``dest`` of ``comm`` (blocking). Point to point."""
+    comm = traced(comm)
     isend(buf, dest, comm=comm, tag=tag).wait()
 
 
 def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
     """Start receiving into ``buf`` from rank ``source``; ``wait()`` returns ``buf``."""
+    comm = traced(comm)
     b = check_array(buf, "receive buffer")
     _check_peer(source, comm, "source")
     host, back = _dev.stage(b, read=False)
@@ -51,4 +55,5 @@ def irecv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Request:
 
 def recv(buf: Any, source: int, *, comm: Any, tag: int = 0) -> Any:
     """Receive into ``buf`` from rank ``source`` of ``comm`` (blocking); returns ``buf``."""
+    comm = traced(comm)
     return irecv(buf, source, comm=comm, tag=tag).wait()

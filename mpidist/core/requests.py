@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mpidist.core import calls
 from mpidist.core import topology as _topo
 
 __all__ = ["Request", "mpi", "mpi_op", "wait_all"]
@@ -106,7 +107,7 @@ class Request:
                     if self._stages is not None and _POLL_SLEEP > 0:
                         _poll(self._reqs)
                     else:
-                        mpi().Request.Waitall(self._reqs)
+                        calls.wait_all(self._reqs)
                 if not self._advance():
                     break
         return self._complete()
@@ -116,7 +117,7 @@ class Request:
         if self._done:
             return True
         while True:
-            if self._reqs and not mpi().Request.Testall(self._reqs):
+            if self._reqs and not calls.test_all(self._reqs):
                 return False
             if not self._advance():
                 break
@@ -134,9 +135,10 @@ _POLL_SLEEP = float(os.environ.get("MPIDIST_POLL_SLEEP", "0.0002"))
 def _poll(reqs: list[Any]) -> None:
     # Sleep between tests rather than spin in Waitall: ranks waiting on the inter-node link
     # then leave the cores to the node's ranks doing shared-memory stages.
-    test = mpi().Request.Testall
-    while not test(reqs):
-        time.sleep(_POLL_SLEEP)
+    test = calls.test_all
+    with calls.blocked_in(calls.pending(reqs)):
+        while not test(reqs):
+            time.sleep(_POLL_SLEEP)
 
 
 def wait_all(requests: Sequence[Request]) -> list[Any]:
