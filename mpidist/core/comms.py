@@ -212,8 +212,9 @@ def _kind(comm: Any) -> str:
 
 def traced(comm: Any) -> Any:
     """``comm`` as a traced communicator (the same MPI handle), registered under its
-    identity; None, ``COMM_NULL`` and objects that are not MPI communicators as they are. Not collective (a user's communicator is
-    named by its members' ranks, a purely local computation)."""
+    identity; None, ``COMM_NULL`` and objects that are not MPI communicators as they are.
+    Not collective (a user's communicator is named by its members' ranks, a purely local
+    computation)."""
     if comm is None or "_mpd" in getattr(comm, "__dict__", {}):
         return comm
     MPI = mpi()

@@ -85,8 +85,9 @@ def init_process_group(backend: str | None = None, *, comm: Any = None,
 
 
 def get_comm() -> Any:
-    """The communicator of the default group (every rank before :func:`init_process_group`).
-    Not collective."""
+    """The communicator of the default group (every rank before :func:`init_process_group`),
+    as mpidist's traced wrapper of it (the same MPI handle: it compares equal to the
+    communicator given). Not collective."""
     return _COMM[0] if _COMM and _dist.is_initialized() else resolve_comm(None)
 
 

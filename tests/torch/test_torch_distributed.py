@@ -24,7 +24,8 @@ def test_process_group_calls(comm):
     dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
     assert dist.is_initialized() and dist.is_available() and torch_dist.is_initialized()
     assert torch_dist.get_backend() == "mpidist"  # the layer always runs on MPI
-    assert dist.get_comm() is comm
+    # the same communicator (MPI handle), as mpidist's traced wrapper of it
+    assert dist.get_comm() == comm and dist.get_comm() is dist.get_comm()
     assert (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size())
     t = torch.full((3,), float(dist.get_rank() + 1), dtype=torch.float64)
     dist.all_reduce(t)
