@@ -11,7 +11,10 @@ when the old name is asked for. Modules that were removed fail with one line say
 their contents went.
 """
 
+from __future__ import annotations
+
 import sys
+from typing import TYPE_CHECKING
 
 from mpidist import data, nn, optim
 from mpidist._version import __version__
@@ -38,6 +41,10 @@ from mpidist.parallel import (
     ZeRO3Optimizer,
 )
 from mpidist.run.launch import abort_on_failure, detect_environment
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+    from types import CodeType, ModuleType
 
 __all__ = [
     "AsyncSGDOptimizer",
@@ -133,7 +140,8 @@ class _MovedModules:
     and the same object is entered under the old one (first on ``sys.meta_path``, so that
     a submodule of a moved package is never loaded a second time under its old name)."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None):
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> ModuleSpec | None:
         if not fullname.startswith("mpidist.") or fullname in sys.modules:
             return None
         if fullname in _REMOVED:
@@ -154,18 +162,18 @@ class _MovedModules:
         spec.submodule_search_locations = real.submodule_search_locations
         return spec
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         import importlib
 
         module = importlib.import_module(_new_name(spec.name))
         spec.loader_state = module.__spec__
         return module
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         # The import system set the old name's spec on the module: give it back its own.
         module.__spec__ = module.__spec__.loader_state
 
-    def get_code(self, fullname: str):
+    def get_code(self, fullname: str) -> CodeType | None:
         """The new module's code, for ``python -m OLD_NAME`` (runpy)."""
         import importlib.util
 
