@@ -43,14 +43,16 @@ TORCH_STAMP := $(VENV)/.torch-ok
 SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
-.PHONY: gpu-check gpu-wheels test-gpu-dry
+.PHONY: gpu-check gpu-wheels test-gpu-dry test-bench-smoke
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster warm bench bench-cluster docs clean
 
 help:
 	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
 	@echo "make test   - ruff, serial tests, MPI tests at 2, 3 and 4 ranks, CUDA-simulator tests,"
-	@echo "              torch's distributed test suite on the mpidist backend, Slurm, virtual cluster"
+	@echo "              torch's distributed test suite on the mpidist backend, every benchmark at its"
+	@echo "              smallest size, Slurm, virtual cluster"
 	@echo "make bench  - benchmarks (ratios against the limit or a peer, same run)"
+	@echo "make test-bench-smoke - every benchmark at its smallest size: it runs and prints its table"
 	@echo "make docs   - user guide and API reference into site/ (mkdocs --strict)"
 	@echo "make test-conformance - torch's distributed test suite on the mpidist backend (CONFORMANCE_NP=2,3,4)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
@@ -159,7 +161,16 @@ test-conformance: warm
 	  timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider tests/torch/conformance; \
 	else echo "make test-conformance: skipped (needs torch and expecttest: make setup WITH_TORCH=1)"; fi
 
-test: lint test-serial test-cudasim test-gpu-dry test-mpi test-conformance test-slurm test-cluster
+# Every script in benchmarks/ at its smallest size, MPI ones under `timeout mpiexec -n 2`
+# (tests/test_benchmarks.py, which fails for a script it does not list): each must run and
+# print its table; the figures are not checked. Under a minute on 2 cores (at most 4).
+# gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it.
+test-bench-smoke: warm
+	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
+	  tests/test_benchmarks.py
+
+test: lint test-serial test-cudasim test-gpu-dry test-bench-smoke test-mpi test-conformance \
+      test-slurm test-cluster
 	@echo "make test: all passed"
 
 DOCS_STAMP := $(VENV)/.docs-ok

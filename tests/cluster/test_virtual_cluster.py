@@ -19,6 +19,8 @@ as a user would:
   ``jobs/local-slurm.sh`` can, else that test skips);
 * two-level collectives equal the flat ones, and the mesh keeps tensor-parallel groups inside
   a node when the launcher deals ranks round-robin (tests/cluster/collectives_job.py).
+* benchmarks/hierarchical.py (``make bench-cluster``) runs at its smallest size and prints
+  its tables (its smoke run; tests/test_benchmarks.py runs the other benchmarks').
 
 Run alone: ``MPIDIST_TEST_CLUSTER=1 python -m pytest -q -p no:cacheprovider tests/cluster``.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -301,3 +304,21 @@ def test_torch_backend_across_nodes(cluster: dict, tmp_path: Path) -> None:
     assert [(r["big"], r["two_level"]) for r in rows] == [(10.0, True)] * 4
     assert [r["env"]["LOCAL_RANK"] for r in rows] == ["0", "1", "0", "1"]
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in rows} == {"2"}
+
+
+def test_hierarchical_benchmark_at_its_smallest_size(cluster: dict, tmp_path: Path) -> None:
+    """benchmarks/hierarchical.py (`make bench-cluster`) needs a cluster, so its smoke run is
+    here (tests/test_benchmarks.py sends it here): at its smallest size it runs and prints
+    its tables, the collectives' and the time-to-loss one. Its figures are not checked."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "hierarchical.py"), "--layouts", "2x2",
+           "--sizes-mb", "0.0625", "--reps", "1", "--han-reps", "1", "--train-steps", "4"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cluster, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:  # the script's own mpirun jobs go with it
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    for header in ("mpidist/bound", "default/mpidist", "vs DDP time", "link-bound ratio"):
+        assert header in out, out[-3000:]
