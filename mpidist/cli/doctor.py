@@ -258,14 +258,16 @@ def _ranks(found: dict[str, Any], ranks: list[int]) -> str:
 def _culprit_lines(found: dict[str, Any], c: dict[str, Any]) -> list[str]:
     who = _ranks(found, [c["rank"]])
     if not c["dumped"]:
-        return [f"  not entered: rank {who}: no dump (a stopped or dead process cannot "
+        return [f"  waiting for: rank {who}: no dump (a stopped or dead process cannot "
                 "write one)"]
     w = c["waiting_in"]
     if w is not None:
-        return [f"  not entered: rank {who}: itself waiting {w['waited']:g} s in {w['op']} "
-                f"#{w['seq']} on {w['comm']} (step {w['step']}, phase {w['phase'] or '-'})"]
-    lines = [f"  not entered: rank {who}: at step {c['step']}, phase {c['phase'] or '-'}, "
-             f"no MPI progress for {c['last_progress_s']:.0f} s; its stack (innermost last):"]
+        return [f"  waiting for: rank {who}: not entered; itself waiting {w['waited']:g} s "
+                f"in {w['op']} #{w['seq']} on {w['comm']} (step {w['step']}, phase "
+                f"{w['phase'] or '-'})"]
+    lines = [f"  waiting for: rank {who}: not entered; at step {c['step']}, phase "
+             f"{c['phase'] or '-'}, no MPI progress for {c['last_progress_s']:.0f} s; its "
+             "stack (innermost last):"]
     for file, line, func, code in c["stack"]:
         lines.append(f"      {file}:{line} in {func}" + (f": {code}" if code else ""))
     return lines

@@ -55,7 +55,8 @@ from typing import Any
 from mpidist.core import calls, comms
 
 __all__ = ["DEFAULT_SIZE", "DEFAULT_TIMEOUT", "FORMAT", "cap_timeout", "dump", "hold_spec",
-           "install", "installed", "introduce", "recent", "settings", "snapshot", "step_done"]
+           "hook", "install", "installed", "introduce", "recent", "settings", "snapshot",
+           "step_done"]
 
 #: calls kept per rank unless ``MPIDIST_RECORDER_SIZE`` says otherwise
 DEFAULT_SIZE = 4096
@@ -73,6 +74,7 @@ class _State:
 
     def __init__(self) -> None:
         self.ring: collections.deque | None = None
+        self.hook: _Ring | None = None
         self.directory = ""
         self.timeout = DEFAULT_TIMEOUT
         self.abort = False
@@ -162,7 +164,8 @@ def _start() -> None:
     _hold_from_env(_R.world_rank)
     if size > 0:
         _R.ring = collections.deque(maxlen=size)
-        calls.add_hook(_Ring(_R.ring))
+        _R.hook = _Ring(_R.ring)
+        calls.add_hook(_R.hook)
     _R.watchdog = _Watchdog()
     _R.watchdog.install_signal()
     _R.watchdog.start()
@@ -179,6 +182,12 @@ def cap_timeout(seconds: float) -> None:
 def step_done(step: int) -> None:
     """Training step ``step`` completed on this rank (dumps report it). Not collective."""
     _R.steps_done = int(step)
+
+
+def hook() -> Any:
+    """The recorder's hook object (for ``comms.remove_hook``/``add_hook``: the benchmark
+    times calls with and without it); None when no ring is kept. Not collective."""
+    return _R.hook
 
 
 def recent() -> list[calls.Call]:
