@@ -93,7 +93,8 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
                 "steps": opening.cfg.steps}
     run = None
     failed = True
-    # the flight recorder dumps into OUT/hang (mpidist doctor OUT) while the run lasts
+    # the flight recorder dumps into OUT/hang (mpidist doctor OUT) while the run lasts, and
+    # after a failure (the abort path dumps too)
     before = recorder.install(directory=os.path.join(cfg.out, HANG_DIR),
                               timeout=cfg.hang_timeout, abort=cfg.hang_abort or None)
     try:
@@ -103,9 +104,9 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
         run = _Run(opening, comm, joiner)
         summary = run.execute()
         failed = False
+        recorder.install(**before)
         return summary
     finally:
-        recorder.install(**before)
         if run is not None:
             close = getattr(run.opt, "close", None)  # the elastic optimizer's SIGTERM handler
             if close is not None:

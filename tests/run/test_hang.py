@@ -31,6 +31,7 @@ SLACK = 12.0  # seconds past the hang timeout by which the dumps must exist (2 b
 FULL = os.environ.get("MPIDIST_TEST_HANG") == "1"
 # (kind, how, ranks) in `make test`; the rest in `make test-hang`
 QUICK = {("engine", "hold", 3), ("torch", "stop", 4), ("engine", "healthy", 3)}
+ABORT_GRACE = 5.0  # the watchdog's wait after its dump before it aborts (at least 5 s)
 TORCH_SCRIPT = Path(__file__).with_name("hang_torch.py")
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--global-batch", "12", "--eval-interval", "0", "--checkpoint-interval", "0",
@@ -57,7 +58,7 @@ class Job:
     started in the background, its ranks found by a tag in their environment."""
 
     def __init__(self, tmp: Path, kind: str, n: int, hold: str = "",
-                 strategy: str = "ddp") -> None:
+                 strategy: str = "ddp", extra: tuple[str, ...] = ()) -> None:
         self.kind, self.n, self.tag = kind, n, uuid.uuid4().hex
         self.out = tmp / "run"
         self.dumps = self.out / "hang" if kind == "engine" else tmp / "dumps"
@@ -68,7 +69,8 @@ class Job:
             env["MPIDIST_TEST_HOLD"] = hold
         if kind == "engine":
             what = [sys.executable, "-m", "mpidist.cli", "train", "--out", str(self.out),
-                    "--hang-timeout", str(HANG_TIMEOUT), "--strategy", strategy, *TINY]
+                    "--hang-timeout", str(HANG_TIMEOUT), "--strategy", strategy, *TINY,
+                    *extra]
         else:
             what = [sys.executable, str(TORCH_SCRIPT), "1000000"]
         self.log = tmp / "job.log"
@@ -228,3 +230,17 @@ def test_a_healthy_runs_dumps_say_nothing_is_wrong(job, kind: str, how: str, n: 
     status, found = j.doctor()
     assert status == 0 and found["status"] == "ok" and found["finding"] is None, found
     assert found["ranks_dumped"] == list(range(n)) and found["steps_done"] >= 2, found
+
+
+@pytest.mark.parametrize("kind, how, n", [_case("engine", "abort", 3)])
+def test_hang_abort_ends_the_job_after_every_rank_dumped(job, kind: str, how: str, n: int):
+    j = job(kind, n, hold="rank=1,step=3,phase=optimizer", extra=("--hang-abort",))
+    j.wait_for(lambda: "MPIDIST_TEST_HOLD: holding" in j.text(), "hold", 150)
+    since = time.time()
+    deadline = time.monotonic() + HANG_TIMEOUT + ABORT_GRACE + SLACK
+    while j.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert j.proc.poll() not in (None, 0), j.text()
+    assert "hang_abort: ending the job in 5 s (MPI_Abort)" in j.text()
+    dumps = j.wait_dumps(list(range(n)), since - 2, 0, step=3)
+    assert sorted(dumps) == [0, 1, 2]
