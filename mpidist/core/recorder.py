@@ -91,6 +91,7 @@ class _State:
 
 
 _R = _State()
+_KNOWN_LOCK = threading.Lock()
 
 
 class _Ring:
@@ -230,14 +231,23 @@ def _call_dict(c: calls.Call, offset: float) -> dict[str, Any]:
     return d
 
 
+def _remember() -> None:
+    """Keep the registry's records of the communicators alive now (the watchdog does at
+    every tick), so that a dump still places calls on one freed since."""
+    infos = [comms.info(c) for c in comms.live()]
+    with _KNOWN_LOCK:
+        for st in infos:
+            if st is not None:
+                _R.known[st.id] = st
+        while len(_R.known) > _KNOWN_MAX:
+            del _R.known[next(iter(_R.known))]
+
+
 def _communicators() -> list[dict[str, Any]]:
-    for c in comms.live():
-        st = comms.info(c)
-        if st is not None:
-            _R.known[st.id] = st
-    while len(_R.known) > _KNOWN_MAX:
-        del _R.known[next(iter(_R.known))]
-    return [st.as_dict() for st in list(_R.known.values())]
+    _remember()
+    with _KNOWN_LOCK:
+        known = list(_R.known.values())
+    return [st.as_dict() for st in known]
 
 
 def _stacks(names: dict[int, str]) -> list[dict[str, Any]]:
@@ -292,8 +302,8 @@ def _text(snap: dict[str, Any]) -> str:
 def dump(reason: str) -> str | None:
     """Write this rank's dump now, from any thread: ``<dir>/rank-<r>.json`` (replaced
     whole) and ``rank-<r>.stacks.txt`` (``faulthandler``'s stacks of every thread).
-    Returns the JSON file's path; None when no recorder is installed or the directory
-    cannot be written (a line on stderr says so). Not collective."""
+    Returns the JSON file's path; None when no recorder is installed or the dump cannot
+    be written (a line on stderr says why). Not collective."""
     if _R.watchdog is None:
         return None
     with _R.lock:
@@ -308,8 +318,9 @@ def dump(reason: str) -> str | None:
             with open(base + ".json.tmp", "w") as f:
                 f.write(text)
             os.replace(base + ".json.tmp", base + ".json")
-        except OSError as exc:
-            _say(f"cannot write the flight recorder's dump into {_R.directory}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a dump must never add a failure of its own
+            _say(f"cannot write the flight recorder's dump into {_R.directory}: "
+                 f"{type(exc).__name__}: {exc}")
             return None
     _say(f"{reason}; flight recorder dumped into {base}.json (merge all ranks' dumps: "
          f"mpidist doctor {_R.directory})")
@@ -374,6 +385,7 @@ class _Watchdog(threading.Thread):
             try:
                 if self._wait(tick):
                     dump("SIGUSR2")
+                _remember()
                 if t > 0 and _R.world_size > 1:
                     self._check(t)
             except Exception as exc:  # noqa: BLE001 - the watchdog must outlive its bugs
