@@ -135,14 +135,14 @@ def install(*, directory: str | None = None, timeout: float | None = None,
     Not collective; idempotent: the ring and the thread are made once per process. A bad
     environment value raises ValueError naming it (alike on every rank).
     """
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"hang_timeout={timeout!r} must be >= 0 (0: no timeout)")
     previous = settings()
     if _R.watchdog is None:
         _start()
     if directory is not None:
         _R.directory = os.path.abspath(directory)
     if timeout is not None:
-        if timeout < 0:
-            raise ValueError(f"hang_timeout={timeout!r} must be >= 0 (0: no timeout)")
         _R.timeout = float(timeout)
     if abort is not None:
         _R.abort = bool(abort)

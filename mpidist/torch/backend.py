@@ -8,8 +8,8 @@ communicator of exactly their members each, and a second one for calls from othe
 completion, mixed backends and errors. The rendezvous is :mod:`mpidist.torch.rendezvous`,
 the operations :mod:`mpidist.torch.process_group`, the tensor side :mod:`mpidist.torch.ops`.
 Every rank keeps a flight recorder (:mod:`mpidist.core.recorder`) from the default group's
-creation on; its hang timeout is at most half the group's, so that its watchdog dumps
-before the backend's own one ends the job.
+creation on; its hang timeout is at most half the group's (not below 10 s), so that its
+watchdog dumps before the backend's own one ends the job.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from mpidist.torch.process_group import BACKEND, ProcessGroupMPI, live_communica
 
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators", "register", "world_comm"]
 _WORLD: list[Any] = []  # the communicator the next default group is built on, if not WORLD
+# The flight recorder's hang timeout is lowered to half the default group's, not below this
+# (a group that times out sooner is ended by the backend's watchdog, which dumps too).
+_MIN_HANG_TIMEOUT = 10.0
 
 
 def world_comm(comm: Any = None, *, reset: bool = False) -> Any:
@@ -53,7 +56,7 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
         agree(base, "init_process_group('mpidist')", error)
         # Every rank keeps a flight recorder whose watchdog dumps before torch's ends the job.
         recorder.install()
-        recorder.cap_timeout(timeout.total_seconds() / 2)
+        recorder.cap_timeout(max(timeout.total_seconds() / 2, _MIN_HANG_TIMEOUT))
         with ops.watch("creating the default group", timeout):
             recorder.introduce(base)
             comm = base.Dup()
