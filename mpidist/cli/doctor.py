@@ -35,7 +35,12 @@ def add_parser(sub: Any) -> None:
     """Register ``mpidist doctor``."""
     p = sub.add_parser("doctor", help="what a hung job waits for: merge its ranks' "
                        "flight-recorder dumps and name the rank the others wait for",
-                       description=__doc__.split("\n\n")[0])
+                       description="Merge the flight-recorder dumps of a hung job's "
+                       "ranks (RUN/hang, or a directory of dumps) and name the first "
+                       "collective not every rank entered, the ranks the others wait for "
+                       "(with their stacks where they could dump) and the last step every "
+                       "rank completed. Exit status: 0 nothing wrong, 1 a rank named, 2 no "
+                       "dumps.")
     p.add_argument("run", metavar="RUN", help="the run's directory (mpidist train --out: its "
                    "hang/ is read) or a directory of dumps (MPIDIST_HANG_DIR)")
     p.add_argument("--min-wait", type=float, default=None, metavar="S",

@@ -84,7 +84,7 @@ class TrainConfig:
     bucket_mb: float = 25.0
     min_workers: int = 1
     max_workers: int = 1024
-    hang_timeout: float | None = None
+    hang_timeout: float = 300.0
     hang_abort: bool = False
     progress: bool = True
 
@@ -127,7 +127,7 @@ class TrainConfig:
         if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
             raise ValueError(f"lr_decay_steps={self.lr_decay_steps!r} must be a positive "
                              "integer")
-        if self.hang_timeout is not None and self.hang_timeout < 0:
+        if self.hang_timeout < 0:
             raise ValueError(f"hang_timeout={self.hang_timeout!r} must be >= 0 seconds "
                              "(0: no timeout)")
         if not 0 < self.topk_ratio <= 1:
@@ -306,8 +306,8 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--max-workers", int, None, "most workers of --strategy elastic"),
     ("--hang-timeout", float, None,
      "seconds a rank may stay inside one MPI call, or make no progress at all, before its "
-     "flight recorder is dumped into OUT/hang (read by mpidist doctor OUT); 0: never; none: "
-     "MPIDIST_HANG_TIMEOUT or 300"),
+     "flight recorder is dumped into OUT/hang (read by mpidist doctor OUT); the job goes "
+     "on; 0: never"),
     ("--hang-abort", "store_const", None,
      "after dumping for a hang, end the job (MPI_Abort) instead of only reporting"),
 ]
