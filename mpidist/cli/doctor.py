@@ -221,8 +221,10 @@ def _state(job: _Job, r: int) -> dict[str, Any]:
 def diagnose(dumps: list[dict[str, Any]], min_wait: float | None = None) -> dict[str, Any]:
     """What the dumps say together (JSON-serialisable): ``status`` ("stuck" when a
     culprit is named, else "ok"), ``finding`` (the first collective, or point-to-point
-    call, that a waiting rank's peers did not all enter; None), ``culprits`` (their states:
-    :func:`_state`), ``aborted`` (ranks that aborted the job, with the reason),
+    call, that a waiting rank's peers did not all enter; None), ``culprits`` (the ranks
+    that did not enter it and wait for nothing else, or left no dump: their states,
+    :func:`_state`), ``also_behind`` (those that did not enter it because they wait in
+    another call), ``aborted`` (ranks that aborted the job, with the reason),
     ``steps_done`` (the last step every rank that dumped completed), ``ranks_dumped``,
     ``world_size``, ``notes``. Pure."""
     job = _Job(dumps, min_wait)
@@ -235,8 +237,13 @@ def diagnose(dumps: list[dict[str, Any]], min_wait: float | None = None) -> dict
     finding = findings[0] if findings else None
     aborted = [{"rank": r, "host": job.hosts.get(r, ""), "reason": d["reason"]}
                for r, d in sorted(job.by_rank.items()) if d["reason"].startswith("abort")]
-    culprits = [] if finding is None else [
-        _state(job, r) for r in sorted(finding["not_entered"] + finding["no_dump"])]
+    # The ranks named: those that did not enter it and wait for nothing themselves (or left
+    # no dump); one that waits in another call (an earlier one on the same communicator,
+    # which the missing rank holds up too) is shown as also behind.
+    behind = [] if finding is None else sorted(finding["not_entered"] + finding["no_dump"])
+    named = [r for r in behind if not job.waiting.get(r)] or behind
+    culprits = [_state(job, r) for r in named]
+    also = [_state(job, r) for r in behind if r not in named]
     done = [int(d.get("steps_done", -1)) for d in job.by_rank.values()]
     missing = [r for r in range(job.size) if r not in job.by_rank]
     notes = list(job.notes)
@@ -250,8 +257,8 @@ def diagnose(dumps: list[dict[str, Any]], min_wait: float | None = None) -> dict
             "reasons": {str(r): d["reason"] for r, d in sorted(job.by_rank.items())},
             "hosts": {str(r): h for r, h in sorted(job.hosts.items())},
             "min_wait": job.min_wait, "finding": finding, "culprits": culprits,
-            "aborted": aborted, "steps_done": min(done) if done and min(done) >= 0 else None,
-            "notes": notes}
+            "also_behind": also, "aborted": aborted,
+            "steps_done": min(done) if done and min(done) >= 0 else None, "notes": notes}
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -260,17 +267,18 @@ def _ranks(found: dict[str, Any], ranks: list[int]) -> str:
     return ", ".join(f"{r} ({hosts.get(str(r), 'host:pid unknown')})" for r in ranks)
 
 
-def _culprit_lines(found: dict[str, Any], c: dict[str, Any]) -> list[str]:
+def _culprit_lines(found: dict[str, Any], c: dict[str, Any],
+                   head: str = "waiting for") -> list[str]:
     who = _ranks(found, [c["rank"]])
     if not c["dumped"]:
-        return [f"  waiting for: rank {who}: no dump (a stopped or dead process cannot "
+        return [f"  {head}: rank {who}: no dump (a stopped or dead process cannot "
                 "write one)"]
     w = c["waiting_in"]
     if w is not None:
-        return [f"  waiting for: rank {who}: not entered; itself waiting {w['waited']:g} s "
+        return [f"  {head}: rank {who}: not entered; itself waiting {w['waited']:g} s "
                 f"in {w['op']} #{w['seq']} on {w['comm']} (step {w['step']}, phase "
                 f"{w['phase'] or '-'})"]
-    lines = [f"  waiting for: rank {who}: not entered; at step {c['step']}, phase "
+    lines = [f"  {head}: rank {who}: not entered; at step {c['step']}, phase "
              f"{c['phase'] or '-'}, no MPI progress for {c['last_progress_s']:.0f} s; its "
              "stack (innermost last):"]
     for file, line, func, code in c["stack"]:
@@ -302,6 +310,8 @@ def render(found: dict[str, Any]) -> list[str]:
                      f"{f['waited']:g} s")
         for c in found["culprits"]:
             lines.extend(_culprit_lines(found, c))
+        for c in found["also_behind"]:
+            lines.extend(_culprit_lines(found, c, "also behind"))
         if not found["culprits"]:
             lines.append("  every member entered it and none completed it: MPI itself or "
                          "the network")

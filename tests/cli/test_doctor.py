@@ -132,6 +132,21 @@ def test_a_waiting_culprit_is_shown_waiting():
     assert "not entered; itself waiting 30 s in Recv #0 on w.9" in "\n".join(render(found))
 
 
+def test_a_rank_held_up_in_an_earlier_call_is_not_the_culprit():
+    # rank 2 was stopped inside nonblocking collective #4 after giving ranks 1 and 3 what
+    # they needed: they completed it and wait in #5; rank 0 still waits in #4
+    r0 = waiting_rank(0, 4, seq=4)
+    found = diagnose([r0, waiting_rank(1, 4), waiting_rank(3, 4)])
+    f = found["finding"]
+    assert (f["seq"], f["entered"], f["not_entered"], f["no_dump"]) == (5, [1, 3], [0], [2])
+    assert [c["rank"] for c in found["culprits"]] == [2]
+    assert [c["rank"] for c in found["also_behind"]] == [0]
+    text = "\n".join(render(found))
+    assert "waiting for: rank 2 (node1:102): no dump" in text
+    assert "also behind: rank 0 (node0:100): not entered; itself waiting 20 s in " \
+           "Allreduce #4 on w.1" in text
+
+
 def test_a_point_to_point_wait_names_the_peer():
     recv = call("w.3", 7, "Recv", kind="p2p", peer=0, waited=15.0)
     waiting = dump(3, 4, {"w.3": ([1, 3], 2)}, [recv], [recv])
