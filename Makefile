@@ -91,7 +91,7 @@ $(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml Makefile
 	  CC=mpicc HDF5_MPI=ON HDF5_DIR=$(HDF5_DIR) $(PY) -m pip install -q --no-binary=h5py \
 	    --no-build-isolation --force-reinstall --no-deps h5py; \
 	fi
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress,data]"
 	$(PY) -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI'"
 	@touch $@
 

@@ -17,10 +17,11 @@ time, and never asked to download anything (no ``from_pretrained``).
   boundaries are still recorded).
 
 Documents are encoded without the tokenizer's own special tokens (``add_special_tokens``
-off), and long ones in pieces cut just before a newline that follows an ASCII letter or
-digit: a byte-level pre-tokenizer (GPT-2's and Llama 3's patterns) never joins across such a
-place, so the pieces encode exactly as the whole document. Other tokenizers encode whole
-documents.
+off) and with the text of a special token inside a document encoded as text
+(``encode_special_tokens``: a document cannot end itself early), and long ones in pieces
+cut just before a newline that follows an ASCII letter or digit: a byte-level
+pre-tokenizer (GPT-2's and Llama 3's patterns) never joins across such a place, so the
+pieces encode exactly as the whole document. Other tokenizers encode whole documents.
 """
 
 from __future__ import annotations
@@ -193,9 +194,11 @@ class Tokenizer:
         if self._lib is None:
             lib = _library(self._single)
             try:
-                self._lib = lib.Tokenizer.from_str(self.json)
+                tok = lib.Tokenizer.from_str(self.json)
             except Exception as exc:  # noqa: BLE001 - the library raises its own types
                 raise ValueError(f"tokenizer {self.name!r} does not load: {exc}") from None
+            tok.encode_special_tokens = True  # a document cannot end itself early
+            self._lib = tok
         return self._lib
 
     def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
