@@ -153,7 +153,8 @@ def _doc_start(f: BinaryIO, size: int, pos: int, jsonl: bool, sep: bytes | None)
             if i >= 0:
                 return at + i + 1
             at += len(chunk)
-    assert sep is not None
+    if not sep:
+        raise ValueError("a text unit is split between ranks only at a separator")
     n = len(sep)
     q = _free_before(f, max(0, pos - n), sep)
     f.seek(q)
