@@ -199,6 +199,7 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/torch_backend.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
+	$(BENCH_ENV) $(PY) benchmarks/data.py
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
 # two-level collectives against the link bound, and the planner's two network levels.
