@@ -288,6 +288,7 @@ def make_text(path: Path, size: int) -> None:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mpidist
     if len(sys.argv) > 1 and sys.argv[1] == "peer":
         peer(sys.argv[2], sys.argv[3])
         return

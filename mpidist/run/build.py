@@ -86,10 +86,12 @@ def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
 
 
 def make_model(cfg: TrainConfig) -> Any:
-    """The GPT of ``cfg`` (unwrapped). Not collective."""
+    """The GPT of ``cfg`` (unwrapped; its vocabulary the data's when ``cfg`` gives none).
+    Not collective."""
     from mpidist.nn import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else cfg.data_vocab()
+    return GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
 
 
