@@ -129,7 +129,13 @@ def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
     notes = [f"{flag(k, getattr(cfg, k))} (the checkpoint was trained with "
              f"{flag(k, stored[k])})" for k in TUNABLE
              if k in given and k in stored and not _same(k, getattr(cfg, k), stored[k])]
-    new = dataclasses.replace(cfg, **values)
+    try:
+        new = dataclasses.replace(cfg, **values)
+    except ValueError as exc:
+        if values.get("data") is None:
+            raise
+        raise ValueError(f"{exc} (the data checkpoint {path} was trained on; give --data "
+                         "where it is now)") from None
     step = int(state.get("step") or 0)
     if new.steps <= step:
         raise NothingToDo(

@@ -88,8 +88,16 @@ def test_prepare_train_resume_at_another_size_and_sample(prepared: Path, tmp_pat
 
 def test_resume_with_other_data_is_refused(prepared: Path, tmp_path: Path):
     run = tmp_path / "run"
-    mpidist(2, "train", "--data", str(prepared / "data.h5"), "--out", str(run), "--steps",
-            "2", *TINY)
+    mine = tmp_path / "mine.h5"
+    shutil.copy(prepared / "data.h5", mine)
+    mpidist(2, "train", "--data", str(mine), "--out", str(run), "--steps", "2", *TINY)
+    mine.rename(tmp_path / "gone.h5")
+    proc = mpidist(2, "train", "--out", str(run), "--steps", "4", "--resume", *TINY,
+                   check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"mpidist train: error: data='{mine}': no such file, directory or Megatron prefix "
+        f"(the data checkpoint {run}/ckpt-00000002.h5 was trained on; give --data where it "
+        "is now)")
     other = tmp_path / "other.h5"
     mpidist(0, "prepare", str(prepared / "corpus" / "long.txt"), "--out", str(other),
             "--tokenizer", "bytes", "--no-progress")
