@@ -29,6 +29,7 @@ from mpidist.core import collectives as C
 from mpidist.core.comms import bcast_json, size_rank
 from mpidist.data.cache import cache_dir, cache_key, file_identity, write_json_atomic
 from mpidist.data.sampler import split_points
+from mpidist.data.textfiles import count_ids
 
 __all__ = ["MEGATRON_DTYPES", "MegatronFile", "NanoGPTFile", "megatron_prefix", "scan_tokens"]
 
@@ -139,7 +140,7 @@ def _scan_part(tokens: np.ndarray, blocks: range, per_block: int
             lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
             if lo < 0:
                 continue
-            c = np.bincount(chunk.astype(np.int64, copy=False))
+            c = count_ids(chunk)
             if c.size > counts.size:
                 c[:counts.size] += counts
                 counts = c

@@ -41,7 +41,7 @@ from mpidist.core import collectives as C
 from mpidist.core.comms import bcast_json, size_rank
 from mpidist.data.sampler import split_points
 from mpidist.data.sources import Unit, first_documents, list_units, read_segments, work_ranges
-from mpidist.data.textfiles import CHUNK_BYTES, TextChecker
+from mpidist.data.textfiles import CHUNK_BYTES, TextChecker, count_ids
 from mpidist.data.tokenizer import Tokenizer, load_tokenizer, parse_tokenizer_arg, train_bpe
 from mpidist.data.tokenwrite import Layout, Part, create_layout, set_content_hash, write_part
 
@@ -264,7 +264,7 @@ def _tokenize(units: list[Unit], work: list[tuple[int, int, int]], tok: Tokenize
             if stream.size and (stream.min() < 0 or stream.max() >= tok.vocab_size):
                 raise ValueError(f"tokenizer {tok.name!r} produced id {int(stream.max())} "
                                  f"outside its vocabulary of {tok.vocab_size}")
-            counts[:] += np.bincount(stream, minlength=tok.vocab_size)
+            counts[:] += count_ids(stream, tok.vocab_size)
             spill.write(stream.astype(tok.dtype.newbyteorder("<")).tobytes())
             part.n_tokens += stream.size
             progress.update(done, batch_bytes)

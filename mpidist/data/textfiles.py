@@ -29,8 +29,9 @@ import numpy as np
 
 from mpidist.data.cache import cache_key, cached_json, file_identity
 
-__all__ = ["CHUNK_BYTES", "MAX_CONTROL_FRACTION", "VALIDATION_FRACTION", "TextChecker", "TextScan",
-           "check_text_path", "entropy", "map_text", "scan_text", "split_cut", "text_problem"]
+__all__ = ["CHUNK_BYTES", "MAX_CONTROL_FRACTION", "VALIDATION_FRACTION", "TextChecker",
+           "TextScan", "check_text_path", "count_ids", "entropy", "map_text", "scan_text",
+           "split_cut", "text_problem"]
 
 #: Bytes read at a time.
 CHUNK_BYTES = 4 << 20
@@ -97,8 +98,24 @@ class TextChecker:
         return self.problem
 
 
+def count_ids(ids: np.ndarray, size: int = 0) -> np.ndarray:
+    """Occurrences of each value of the non-negative integer array ``ids`` (int64, at least
+    ``size`` entries), counted in slices of 256 Ki elements: ``np.bincount`` copies its
+    input as 8-byte integers, and small copies keep the anonymous memory flat."""
+    out = np.zeros(size, dtype=np.int64)
+    step = 1 << 18
+    for a in range(0, len(ids), step):
+        c = np.bincount(np.asarray(ids[a:a + step]), minlength=size)
+        if c.size > out.size:
+            c[:out.size] += out
+            out = c.astype(np.int64, copy=False)
+        else:
+            out[:c.size] += c
+    return out
+
+
 def _bincount(chunk: bytes | memoryview) -> np.ndarray:
-    return np.bincount(np.frombuffer(chunk, dtype=np.uint8), minlength=256).astype(np.int64)
+    return count_ids(np.frombuffer(chunk, dtype=np.uint8), 256)
 
 
 def _chunks(f: BinaryIO) -> Any:

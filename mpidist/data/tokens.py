@@ -25,7 +25,7 @@ import numpy as np
 
 from mpidist.data.external import MegatronFile, NanoGPTFile, megatron_prefix, scan_tokens
 from mpidist.data.sampler import WindowSampler, checked_indices, checked_int
-from mpidist.data.textfiles import entropy, scan_text
+from mpidist.data.textfiles import count_ids, entropy, scan_text
 from mpidist.data.tokenfile import TokenFile, is_token_file
 
 __all__ = ["TOKEN_VALIDATION_FRACTION", "DataInfo", "TokenDataset", "describe_data",
@@ -33,7 +33,6 @@ __all__ = ["TOKEN_VALIDATION_FRACTION", "DataInfo", "TokenDataset", "describe_da
 
 #: Fraction of a token stream (its last documents) held out for validation.
 TOKEN_VALIDATION_FRACTION = 0.01
-_COUNT_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -81,12 +80,7 @@ def _held_out_start(n_tokens: int, offsets: np.ndarray | None) -> int:
 
 
 def _counts(tokens: np.ndarray, lo: int, hi: int, size: int) -> np.ndarray:
-    out = np.zeros(size, dtype=np.int64)
-    for a in range(lo, hi, _COUNT_TOKENS):
-        c = np.bincount(np.asarray(tokens[a:min(hi, a + _COUNT_TOKENS)]).astype(np.int64),
-                        minlength=size)
-        out += c[:size]
-    return out
+    return count_ids(tokens[lo:hi], size)[:size]
 
 
 class TokenDataset:
