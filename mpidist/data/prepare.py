@@ -41,7 +41,7 @@ from mpidist.core import collectives as C
 from mpidist.core.comms import bcast_json, size_rank
 from mpidist.data.sampler import split_points
 from mpidist.data.sources import Unit, first_documents, list_units, read_segments, work_ranges
-from mpidist.data.textfiles import CHUNK_BYTES, TextChecker, count_ids
+from mpidist.data.textfiles import TextChecker, count_ids, read_chunks
 from mpidist.data.tokenizer import Tokenizer, load_tokenizer, parse_tokenizer_arg, train_bpe
 from mpidist.data.tokenwrite import Layout, Part, create_layout, set_content_hash, write_part
 
@@ -127,14 +127,14 @@ def _scan_unit(unit: Unit) -> dict[str, Any]:
 
     digest = hashlib.sha256()
     with open(unit.path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
+        for chunk in read_chunks(f):
             digest.update(chunk)
     problem = None
     if not unit.jsonl:
         checker = TextChecker()
         try:
             with (gzip.open(unit.path, "rb") if unit.gz else open(unit.path, "rb")) as f:
-                while chunk := f.read(CHUNK_BYTES):
+                for chunk in read_chunks(f):
                     checker.feed(chunk)
                     if checker.problem:
                         break

@@ -30,11 +30,12 @@ import numpy as np
 from mpidist.data.cache import cache_key, cached_json, file_identity
 
 __all__ = ["CHUNK_BYTES", "MAX_CONTROL_FRACTION", "VALIDATION_FRACTION", "TextChecker",
-           "TextScan", "check_text_path", "count_ids", "entropy", "map_text", "scan_text",
-           "split_cut", "text_problem"]
+           "TextScan", "check_text_path", "count_ids", "entropy", "map_text", "read_chunks",
+           "scan_text", "split_cut", "text_problem"]
 
 #: Bytes read at a time.
 CHUNK_BYTES = 4 << 20
+_SLICE = 1 << 16  # bytes decoded, or ids counted, at a time
 
 #: Fraction of the text (at its end) held out for validation.
 VALIDATION_FRACTION = 0.1
@@ -74,15 +75,19 @@ class TextChecker:
         self.problem: str | None = None
 
     def feed(self, chunk: bytes | memoryview, counts: np.ndarray | None = None) -> None:
+        """Check ``chunk`` (``counts``: its byte counts, when the caller has them)."""
         if self.problem is not None:
             return
-        pending = len(self.decoder.getstate()[0])
-        try:
-            self.decoder.decode(chunk, final=False)
-        except UnicodeDecodeError as exc:
-            self.problem = f"not valid UTF-8 at byte {self.seen - pending + exc.start}"
-        self.seen += len(chunk)
-        self.counts += _bincount(chunk) if counts is None else counts
+        view = memoryview(chunk)
+        for a in range(0, len(view), _SLICE):  # small strings: no large transient memory
+            pending = len(self.decoder.getstate()[0])
+            try:
+                self.decoder.decode(view[a:a + _SLICE], final=False)
+            except UnicodeDecodeError as exc:
+                self.problem = f"not valid UTF-8 at byte {self.seen + a - pending + exc.start}"
+                break
+        self.seen += len(view)
+        self.counts += _bincount(view) if counts is None else counts
 
     def finish(self) -> str | None:
         if self.problem is None:
@@ -100,10 +105,10 @@ class TextChecker:
 
 def count_ids(ids: np.ndarray, size: int = 0) -> np.ndarray:
     """Occurrences of each value of the non-negative integer array ``ids`` (int64, at least
-    ``size`` entries), counted in slices of 256 Ki elements: ``np.bincount`` copies its
+    ``size`` entries), counted in slices of 64 Ki elements: ``np.bincount`` copies its
     input as 8-byte integers, and small copies keep the anonymous memory flat."""
     out = np.zeros(size, dtype=np.int64)
-    step = 1 << 18
+    step = _SLICE
     for a in range(0, len(ids), step):
         c = np.bincount(np.asarray(ids[a:a + step]), minlength=size)
         if c.size > out.size:
@@ -118,12 +123,21 @@ def _bincount(chunk: bytes | memoryview) -> np.ndarray:
     return count_ids(np.frombuffer(chunk, dtype=np.uint8), 256)
 
 
-def _chunks(f: BinaryIO) -> Any:
+def read_chunks(f: BinaryIO) -> Any:
+    """The bytes of the open file ``f`` in chunks of up to :data:`CHUNK_BYTES`, read into
+    one reused buffer (each chunk is a view that the next one overwrites): reading costs
+    no memory beyond the buffer (no larger than the file)."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # a compressed stream: its size is unknown
+        size = CHUNK_BYTES
+    buf = bytearray(max(1, min(CHUNK_BYTES, size)))
+    view = memoryview(buf)
     while True:
-        chunk = f.read(CHUNK_BYTES)
-        if not chunk:
+        n = f.readinto(buf)
+        if not n:
             return
-        yield chunk
+        yield view[:n]
 
 
 @dataclass(frozen=True)
@@ -158,7 +172,7 @@ def _scan_file(path: str, binary: bool) -> dict[str, Any]:
     train = np.zeros(256, dtype=np.int64)
     pos = 0
     with open(path, "rb") as f:
-        for chunk in _chunks(f):
+        for chunk in read_chunks(f):
             counts = _bincount(chunk)
             if pos + len(chunk) <= cut:
                 train += counts
@@ -201,7 +215,7 @@ def _build_directory(path: str, rels: list[str], binary: bool, data_path: str
                 digest.update(b"\n")
                 counts[10] += 1
             with open(os.path.join(path, rel), "rb") as f:
-                for chunk in _chunks(f):
+                for chunk in read_chunks(f):
                     c = _bincount(chunk)
                     if not binary:
                         checker.feed(chunk, c)
@@ -221,7 +235,7 @@ def _build_directory(path: str, rels: list[str], binary: bool, data_path: str
     cut = split_cut(size)
     with open(tmp, "rb") as f:  # the validation tail is not part of the baseline
         f.seek(cut)
-        for chunk in _chunks(f):
+        for chunk in read_chunks(f):
             counts -= _bincount(chunk)
     os.replace(tmp, data_path)
     return {"size": size, "sha256": digest.hexdigest(), "train_counts": counts.tolist(),
