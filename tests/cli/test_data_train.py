@@ -118,6 +118,8 @@ def test_resume_with_other_data_is_refused(prepared: Path, tmp_path: Path):
                 "with --vocab-size (GPT-2's is 50257)"),
     ("version", "{bad}: token file format_version=7; this version of mpidist reads "
                 "version 1"),
+    ("verify", "{bad}: tokens 0-{last} (hash block 0) fail their hash: the file changed "
+               "after it was written"),
 ])
 def test_bad_data_is_one_line_and_nothing_is_written(prepared: Path, tmp_path: Path, case,
                                                      message):
@@ -131,14 +133,25 @@ def test_bad_data_is_one_line_and_nothing_is_written(prepared: Path, tmp_path: P
         with h5py.File(bad, "r+") as f:
             f.attrs["format_version"] = np.int64(7)
         args = ["--data", str(bad)]
+    elif case == "verify":
+        shutil.copy(data, bad)
+        with h5py.File(bad, "r") as f:
+            at, last = f["tokens"].id.get_offset(), f["tokens"].shape[0] - 1
+        with open(bad, "r+b") as f:
+            f.seek(at + 10)
+            f.write(b"\x07\x00")
+        args = ["--data", str(bad), "--data-verify"]
     out = tmp_path / "run"
     proc = mpidist(2, "train", "--out", str(out), "--steps", "2", *args, *TINY, check=False)
     assert proc.returncode == 2
     with h5py.File(data, "r") as f:
         vocab = int(f.attrs["vocab_size"])
     assert proc.stderr.strip() == "mpidist train: error: " + message.format(
-        data=data, nano=nano, bad=bad, vocab=vocab)
-    assert not out.exists()
+        data=data, nano=nano, bad=bad, vocab=vocab, last=locals().get("last"))
+    if case != "verify":  # the hash is read between the ranks once the run has its lock
+        assert not out.exists()
+    else:
+        assert not (out / "metrics.jsonl").exists() and not list(out.glob("ckpt-*"))
 
 
 def test_prepare_bad_input_under_mpiexec(tmp_path: Path):
@@ -151,3 +164,22 @@ def test_prepare_bad_input_under_mpiexec(tmp_path: Path):
         f"mpidist prepare: error: {tmp_path / 'bad.jsonl'}:2: the record has a non-string "
         "key 'text' (--text-key)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_nanogpt_files_train_and_sample_with_a_tokenizer_given(tmp_path: Path):
+    ids = np.frombuffer(TEXT.encode(), dtype=np.uint8).astype(np.uint16)
+    cut = len(ids) * 9 // 10
+    ids[:cut].tofile(tmp_path / "train.bin")
+    ids[cut:].tofile(tmp_path / "val.bin")
+    run = tmp_path / "run"
+    mpidist(2, "train", "--data", str(tmp_path / "train.bin"), "--vocab-size", "257",
+            "--out", str(run), "--steps", "3", *TINY)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("split") == "validation" for r in rows)  # val.bin was used
+    proc = mpidist(0, "sample", str(run), "--prompt", "def ", "--tokens", "5", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "its data (nanogpt's format) named no tokenizer: give --tokenizer tokenizer.json "
+        "(the one the data was made with)")
+    text = mpidist(0, "sample", str(run), "--prompt", "def ", "--tokens", "5",
+                   "--tokenizer", "bytes").stdout
+    assert text.startswith("def ")
