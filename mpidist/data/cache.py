@@ -19,7 +19,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["cache_dir", "cache_key", "cached_json", "file_identity", "locked_entry"]
+__all__ = ["cache_dir", "cache_key", "cached_json", "file_identity", "locked_entry",
+           "write_json_atomic"]
 
 #: Bumped when what the entries hold changes, so that older entries are ignored.
 CACHE_VERSION = 1

@@ -60,6 +60,7 @@ class MegatronFile:
     collective."""
 
     kind = "megatron"
+    max_id: int | None = None  #: the largest id, once :func:`scan_tokens` has run
 
     def __init__(self, prefix: str) -> None:
         self.path = prefix
@@ -110,6 +111,7 @@ class NanoGPTFile:
     Not collective."""
 
     kind = "nanogpt"
+    max_id: int | None = None  #: the largest id, once :func:`scan_tokens` has run
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -27,7 +27,6 @@ run trained on. Nothing in the file depends on the number of ranks that wrote it
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from typing import Any
@@ -264,8 +263,3 @@ def verify_token_file(path: str, *, comm: Any = None) -> None:
     if expect != tf.content_hash:
         raise ValueError(f"{path}: content_hash {tf.content_hash} does not match its blocks "
                          f"and document offsets ({expect})")
-
-
-def summary_json(path: str) -> str:
-    """A token file's :meth:`TokenFile.summary` as indented JSON."""
-    return json.dumps(TokenFile(path).summary(), indent=2)

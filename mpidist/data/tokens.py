@@ -199,7 +199,7 @@ def open_token_data(info: DataInfo, block_size: int, *, val: DataInfo | None = N
 def largest_id(ds: TokenDataset) -> int:
     """The largest token id of the data behind ``ds`` (-1 when it has none)."""
     src = ds.source
-    if hasattr(src, "max_id"):
+    if getattr(src, "max_id", None) is not None:
         return int(src.max_id)
     counts = getattr(src, "token_counts", None)
     nz = np.flatnonzero(counts) if counts is not None else np.zeros(0)
