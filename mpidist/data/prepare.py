@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.comms import bcast_json, size_rank
+from mpidist.core.comms import bcast_json, size_rank, world
 from mpidist.data.sampler import split_points
 from mpidist.data.sources import Unit, first_documents, list_units, read_segments, work_ranges
 from mpidist.data.textfiles import TextChecker, count_ids, read_chunks
@@ -292,6 +292,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str, *, text_key: str = 
     ``out`` without ``overwrite``) raises the same ValueError on every rank and leaves
     nothing behind. Returns the file's summary (counts, tokenizer, content hash, seconds).
     """
+    comm = None if comm is None else world(comm)
     size, rank = size_rank(comm)
     t0 = time.perf_counter()
     _check_arguments(inputs, out, tokenizer, text_key, separator, overwrite)
