@@ -16,7 +16,7 @@ def _timings(job, killed_at: float) -> str:
     rec = job.each("recovered")
     detect = [e["detected"] - killed_at for e in rec.values()]
     return (f"detect {max(detect) * 1e3:.0f} ms (slowest survivor), revoke "
-            f"{max(e['revoke_s'] for e in rec.values()) * 1e3:.1f} ms, shrink "
+            f"{max(e['revoke_s'] for e in rec.values()) * 1e6:.0f} us, shrink "
             f"{max(e['shrink_s'] for e in rec.values()) * 1e3:.1f} ms")
 
 
