@@ -75,6 +75,15 @@ class PartFailed(Exception):
     """One part of an item failed; the message says how."""
 
 
+def item_budget(args: argparse.Namespace, seconds: float) -> Budget:
+    """An item's budget: ``seconds``, or what is left before the run's deadline
+    (``args.deadline_at``, a ``time.monotonic()`` value, where there is one) less a margin."""
+    end = getattr(args, "deadline_at", None)
+    if end is not None:
+        seconds = min(seconds, end - time.monotonic() - 5)
+    return Budget(max(seconds, 0.0))
+
+
 class Budget:
     """The seconds left of an item's time budget."""
 
@@ -261,7 +270,7 @@ def parity(args: argparse.Namespace, *, log: Callable[..., None],
     """The ``engine`` item: ``(status, detail)``. ``skip`` is raised (by ``mpi_env``) when
     MPI cannot start even one rank."""
     device = "cpu" if args.dry_run else "cuda"
-    clock = Budget(DRY_BUDGET_S if args.dry_run else BUDGET_S["engine"])
+    clock = item_budget(args, DRY_BUDGET_S if args.dry_run else BUDGET_S["engine"])
     env = mpi_env(args)
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, "1")  # tiny runs, ranks sharing cores
@@ -293,7 +302,8 @@ def speed(args: argparse.Namespace, *, log: Callable[..., None],
           skip: type[Exception]) -> tuple[str, str]:
     """The ``engine_speed`` item: ``(status, detail)``, measured in a fresh process.
     ``skip`` is raised (by ``mpi_env``) when MPI cannot start the engine's one rank."""
-    clock = Budget(DRY_BUDGET_S if args.dry_run else BUDGET_S["engine_speed"])
+    clock = item_budget(args, DRY_BUDGET_S if args.dry_run else
+                        BUDGET_S["engine_speed"])
     env = mpi_env(args)  # the engine asks MPI for its (one-rank) world
     cmd = [sys.executable, str(Path(__file__).resolve()), "measure"]
     if args.dry_run:
