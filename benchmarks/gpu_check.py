@@ -49,6 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # this tree's mpidist, run as benchmarks/gpu_check.py
 ITEMS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {}
 KERNEL_CASES = [
     ("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
