@@ -94,6 +94,11 @@ class _Bucket:
         self.views: dict[str, list[torch.Tensor]] = {}
         self.arrays: dict[str, Any] = {}
         self._add("param", flat)
+        self.steps = torch.zeros(len(params), dtype=scalar_dtype())
+        self.step_views = list(self.steps)
+        self.state_of: Any = None  # the optimizer's state dict the views were put into
+        self.own = [False] * len(params)  # whose state was made the bucket's views
+        self.ready: tuple[str, ...] = ()  # the state names, once all of them are
 
     def _add(self, name: str, flat: torch.Tensor) -> None:
         self.flats[name] = flat
@@ -219,33 +224,35 @@ class FlatAdam:
             torch._foreach_copy_(dst, src)
             for i in live:
                 b.params[i].grad = grads[i]
-        steps = self._state_in(b, live, state, names)
-        try:
-            counts = torch.stack(steps).tolist()
-        except RuntimeError:  # steps on several devices or of several dtypes
-            counts = [float(s) for s in steps]
-        torch._foreach_add_(steps, 1.0)
+        counts = self._state_in(b, live, state, names)
         run = 0
         for k in range(1, len(live) + 1):
             if k < len(live) and live[k] == live[k - 1] + 1 and counts[k] == counts[run]:
                 continue
             lo, hi = live[run], live[k - 1] + 1
+            b.steps[lo:hi] += 1
             arrays = [b.array(n, lo, hi) for n in ("param", "grad", *names)]
             adam_update(arrays, group, float(counts[run]) + 1.0, self.decoupled)
             run = k
 
     @staticmethod
     def _state_in(b: _Bucket, live: list[int], state: dict[Any, dict[str, Any]],
-                  names: tuple[str, ...]) -> list[torch.Tensor]:
+                  names: tuple[str, ...]) -> list[float]:
         """Make each live parameter's state the bucket's views (new state: zeros and step 0;
         state put there by someone else, e.g. ``load_state_dict``: copied in); returns the
-        step tensors."""
+        step counts. The step counters are 0-dim views of one flat tensor (on the CPU, of
+        torch's scalar dtype), so a run's counters advance in one op."""
+        if (state is b.state_of and b.ready == names and len(live) == len(b.params)):
+            return b.steps.tolist()
         views = [b.buffer(n) for n in names]
-        steps = []
+        if state is not b.state_of or b.ready != names:
+            b.state_of, b.own = state, [False] * len(b.params)
         for i in live:
             st = state[b.params[i]]
-            if not st:
-                st["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+            step = st.get("step")
+            if step is not b.step_views[i]:
+                b.steps[i] = 0.0 if step is None else float(step)
+                st["step"] = b.step_views[i]
             for name, view in zip(names, views, strict=True):
                 v = st.get(name)
                 if v is not view[i]:
@@ -254,8 +261,9 @@ class FlatAdam:
                     else:
                         view[i].copy_(v)
                     st[name] = view[i]
-            steps.append(st["step"])
-        return steps
+            b.own[i] = True
+        b.ready = names if all(b.own) else ()
+        return b.steps[live].tolist()
 
 
 def scalar_dtype() -> torch.dtype:
