@@ -1,11 +1,13 @@
 """torch optimizers whose update is one of mpidist's fused kernels.
 
 ``Adam``, ``AdamW`` and ``SGD`` are ``torch.optim``'s classes (constructors, checks, groups,
-state dicts and state layout are torch's own) whose ``step`` updates each parameter with ONE
+state dicts and state layout are torch's own) whose ``step`` updates the parameters with ONE
 pass of mpidist's fused kernel (Numba ``njit`` on CPU tensors, ``numba.cuda`` on CUDA
-tensors), equal to torch's to round-off. They work on local tensors, shards and DTensors
-(each rank updates its local shard). Parameters and gradients must be float32 or float64;
-``capturable``, ``differentiable``, ``fused`` and ``foreach`` are refused with one line.
+tensors; Adam/AdamW: one launch per flat bucket of a parameter group, see
+:mod:`mpidist.torch.optim_flat`; SGD: one per parameter), equal to torch's to round-off.
+They work on local tensors, shards and DTensors (each rank updates its local shard).
+Parameters and gradients must be float32 or float64; ``capturable``, ``differentiable``,
+``fused`` and ``foreach`` are refused with one line.
 
 Not collective: ``step`` updates this rank's tensors only.
 """
@@ -98,7 +100,8 @@ class _FusedAdam(_Fused):
 
 class Adam(_FusedAdam, torch.optim.Adam):
     """``torch.optim.Adam`` whose update is :func:`mpidist.optim.fused_adam` (one fused pass per
-    parameter; ``amsgrad``, ``maximize`` and L2 ``weight_decay`` as torch). Not collective."""
+    flat bucket of parameters, ``flat=False``: per parameter; ``amsgrad``, ``maximize`` and
+    L2 ``weight_decay`` as torch). Not collective."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
