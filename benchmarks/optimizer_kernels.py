@@ -1,6 +1,7 @@
 """Fused optimizer kernels against the memory-bandwidth limit, NumPy and torch, in one run.
 
     python benchmarks/optimizer_kernels.py [--n 16777216] [--repeats 10] [--dtype float32]
+                                           [--gpt2-scale 4]
 
 The bandwidth limit is measured in the same run with a STREAM-triad-like Numba kernel
 ``a[i] = b[i] + s*c[i]`` (12 bytes/element in float32), and the same kernel in place
@@ -12,6 +13,13 @@ array element read and per element written: Adam/AdamW read p, g, m, v and write
 The NumPy baseline is the same algorithm written with NumPy array operations (unfused: one
 pass per operation, temporaries allocated). torch.optim's fused implementations are timed
 when torch is importable. Threads: whatever NUMBA_NUM_THREADS says. Single process, not MPI.
+
+With torch, a second table times one step of ``mpidist.torch.optim.AdamW`` on GPT-2 small's
+parameter list (148 tensors; widths, vocabulary and context divided by ``--gpt2-scale``)
+against ``torch.optim.AdamW(foreach=True)`` and ``fused=True``: the multi-tensor path (one
+launch over a flat buffer) with the gradients already in it (``zero_grad(set_to_none=False)``)
+and with new gradient tensors every step (``set_to_none=True``: one foreach copy in), and the
+per-parameter path (``flat=False``, one launch per tensor).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--gpt2-scale", type=int, default=4,
+                    help="divide GPT-2 small's widths by this for the parameter-list table")
     args = ap.parse_args()
     n, dt = args.n, np.dtype(args.dtype)
     width = dt.itemsize
@@ -157,6 +167,77 @@ def main() -> None:
         x_t = f"{times[torch_key] / sec:8.2f}" if torch_key in times else f"{'-':>8s}"
         pct = 100 * gbs * 1e9 / limit
         print(f"{label:34s} {sec * 1e3:8.2f} {gbs:7.2f} {pct:6.1f} {x_np} {x_t}")
+    if torch_version is not None:
+        parameter_list(args)
+
+
+def gpt2_shapes(scale: int) -> list[tuple[int, ...]]:
+    """GPT-2 small's 148 parameter shapes with width, vocabulary and context over ``scale``
+    (the same list as benchmarks/gpu_check.py's at scale 1)."""
+    d, v, t, layers = 768 // scale, 50257 // scale, 1024 // scale, 12
+    shapes: list[tuple[int, ...]] = [(v, d), (t, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
+                   (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def parameter_list(args: argparse.Namespace) -> None:
+    """One AdamW step on GPT-2 small's parameter list: mpidist's multi-tensor and
+    per-parameter paths against torch's foreach and fused implementations, interleaved."""
+    import torch
+
+    from mpidist.torch.optim import AdamW
+
+    tdt = getattr(torch, args.dtype)
+    shapes = gpt2_shapes(args.gpt2_scale)
+    torch.manual_seed(0)
+    init = [torch.randn(s, dtype=tdt) for s in shapes]
+    grads = [torch.randn(s, dtype=tdt) for s in shapes]
+
+    def params() -> list[torch.nn.Parameter]:
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = g.clone()
+        return ps
+
+    def new_grads(ps: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def job() -> None:
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g
+            opt.step()
+        return job
+
+    jobs: dict[str, Callable[[], object]] = {
+        "torch foreach": torch.optim.AdamW(params(), foreach=True).step,
+        "flat": AdamW(params()).step,
+        "per-tensor": AdamW(params(), flat=False).step,
+    }
+    ps = params()
+    jobs["flat, new grads"] = new_grads(ps, AdamW(ps))
+    try:
+        topt = torch.optim.AdamW(params(), fused=True)
+        topt.step()
+        jobs["torch fused"] = topt.step
+    except (RuntimeError, TypeError, ValueError) as e:
+        print(f"torch fused: not available ({e})")
+    times = interleaved(jobs, args.repeats)
+    n = sum(int(np.prod(s)) for s in shapes)
+    print(f"\nAdamW step on GPT-2 small's parameter list / {args.gpt2_scale}: "
+          f"{len(shapes)} tensors, {n} parameters, {args.dtype}")
+    header = f"{'implementation':46s} {'ms':>8s} {'x torch foreach':>16s}"
+    print(header)
+    print("-" * len(header))
+    for key, label in (
+        ("flat", "mpidist AdamW multi-tensor (grads in place)"),
+        ("flat, new grads", "mpidist AdamW multi-tensor (new grads: +copy)"),
+        ("per-tensor", "mpidist AdamW per-tensor (flat=False)"),
+        ("torch foreach", "torch AdamW foreach=True"),
+        ("torch fused", "torch AdamW fused=True"),
+    ):
+        if key in times:
+            print(f"{label:46s} {times[key] * 1e3:8.2f} "
+                  f"{times['torch foreach'] / times[key]:16.2f}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ SMOKE: dict[str, Smoke] = {
         0, ("--threads", "1", "--steps", "1", "--batch", "2", "--profile-top", "0",
             *TINY_GPT), ("mpidist.nn :",)),
     "optimizer_kernels.py": Smoke(
-        0, ("--n", "4096", "--repeats", "2"), ("GB/s", "x NumPy")),
+        0, ("--n", "4096", "--repeats", "2", "--gpt2-scale", "64"),
+        ("GB/s", "x NumPy")),
     "pipeline_bubble.py": Smoke(
         2, ("--stages", "2", "--micro", "2", "--width", "16", "--micro-batch-size", "4",
             "--steps", "1"), ("(p-1)/(m+p-1)",)),

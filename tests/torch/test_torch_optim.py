@@ -140,3 +140,137 @@ def test_on_torch_fully_shard_over_the_backend(comm):
         result.append({n: p.full_tensor().detach().numpy().copy()
                        for n, p in model.named_parameters()})
     M.assert_close(result[0], result[1], what="fully_shard")
+
+
+# -- the multi-tensor (flat) path ----------------------------------------------------------
+ODD_SHAPES = [(7, 3), (5,), (1,), (3, 2, 4), (11,), (2, 9)]
+FLAT_CASES = [
+    ("Adam", {"lr": 3e-3}),
+    ("Adam", {"lr": 3e-3, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    ("AdamW", {"lr": 3e-3, "betas": (0.8, 0.99), "weight_decay": 0.05, "amsgrad": True}),
+    ("AdamW", {"lr": 1e-2, "weight_decay": 0.1, "maximize": True}),
+]
+
+
+def odd_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64))
+            for s in ODD_SHAPES]
+
+
+def grads_of(params, step, skip):
+    """Gradients of a fixed quadratic-ish loss; parameter ``skip(step)`` gets none."""
+    loss = sum((p * p).sum() * (k + 1) + (p.sin() * (step + 1)).sum()
+               for k, p in enumerate(params) if k not in skip(step))
+    loss.backward()
+
+
+def drive(params, opt, steps, start=0, zero=lambda opt, ps: opt.zero_grad()):
+    skip = lambda step: {1} if step % 3 == 1 else ({4} if step % 4 == 0 else set())  # noqa: E731
+    for step in range(start, start + steps):
+        zero(opt, params)
+        grads_of(params, step, skip)
+        opt.step()
+
+
+def assert_same(a_params, b_params, a_opt, b_opt, what):
+    for k, (a, b) in enumerate(zip(a_params, b_params, strict=True)):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12,
+                                   atol=1e-14, err_msg=f"{what}: param {k}")
+    a, b = state_arrays(a_opt), state_arrays(b_opt)
+    assert a.keys() == b.keys(), what
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-14, err_msg=f"{what}: {k}")
+
+
+def set_none(opt, params):
+    opt.zero_grad()
+
+
+def model_zero(opt, params):  # what model.zero_grad() does (set_to_none=True)
+    for p in params:
+        p.grad = None
+
+
+def keep_zeros(opt, params):
+    opt.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("zero", [set_none, model_zero, keep_zeros])
+@pytest.mark.parametrize("name,kw", FLAT_CASES)
+def test_flat_path_equals_torch_with_missing_grads(name, kw, zero):
+    ours_p, ref_p = odd_params(), odd_params()
+    ours = getattr(fused, name)(ours_p, **kw)
+    ref = getattr(torch.optim, name)(ref_p, foreach=False, **kw)
+    drive(ours_p, ours, 7, zero=zero)
+    drive(ref_p, ref, 7, zero=zero)
+    assert_same(ours_p, ref_p, ours, ref, name)
+    # one flat buffer: the parameters and their state are views of it
+    flat = ours._flat.groups[0].buckets
+    assert len(flat) == 1 and len(flat[0].params) == len(ODD_SHAPES)
+    base = flat[0].flat.data_ptr()
+    assert sorted(p.data_ptr() - base for p in ours_p) == sorted(
+        8 * o for o in flat[0].offsets)
+    assert all(torch.is_tensor(ours.state[p]["step"]) for p in ours_p)
+    with_grad = [p for p in ours_p if p.grad is not None]
+    if zero is keep_zeros:  # the gradients stay views of the flat gradient
+        assert all(p.grad is v for p, v in zip(ours_p, flat[0].views["grad"], strict=True))
+    assert with_grad
+
+
+@pytest.mark.parametrize("name,kw", FLAT_CASES[1:3])
+def test_flat_state_dict_round_trip(name, kw):
+    ours_p, ref_p = odd_params(), odd_params()
+    ours = getattr(fused, name)(ours_p, **kw)
+    ref = getattr(torch.optim, name)(ref_p, foreach=False, **kw)
+    drive(ours_p, ours, 4)
+    drive(ref_p, ref, 4)
+    saved = copy.deepcopy(ours.state_dict())
+    # a new optimizer (and new parameters) loads the saved state and continues equal
+    new_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    new = getattr(fused, name)(new_p, **kw)
+    new.load_state_dict(saved)
+    # the old one also loads torch's state (replacing its flat views) and continues equal
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for params, opt in ((new_p, new), (ours_p, ours), (ref_p, ref)):
+        drive(params, opt, 4, start=4)
+    assert_same(new_p, ref_p, new, ref, "saved -> new optimizer")
+    assert_same(ours_p, ref_p, ours, ref, "torch's state -> ours")
+    bucket = new._flat.groups[0].buckets[0]
+    assert all(new.state[p]["exp_avg"] is v for p, v in
+               zip(bucket.params, bucket.views["exp_avg"], strict=True))
+
+
+def test_flat_uses_a_shared_flat_storage_as_it_is_and_falls_back_per_tensor():
+    storage = torch.zeros(40, dtype=torch.float64)
+    views = [torch.nn.Parameter(storage[10:22].view(3, 4)), torch.nn.Parameter(storage[:10])]
+    alone = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    strided = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64).t())
+    f32 = torch.nn.Parameter(torch.randn(6, dtype=torch.float32))
+    params = [*views, alone, strided, f32]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = fused.AdamW(params, lr=1e-2)
+    ref = torch.optim.AdamW(refs, lr=1e-2, foreach=False)
+    for opt, ps in ((ours, params), (ref, refs)):
+        for step in range(3):
+            opt.zero_grad()
+            sum((p.double().cos() * (k + step)).sum() for k, p in enumerate(ps)
+                if k != 3).backward()  # the strided one gets no gradient (or it would raise)
+            opt.step()
+    for a, b in zip(params, refs, strict=True):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6)
+    g = ours._flat.groups[0]
+    assert storage.data_ptr() in {b.flat.data_ptr() for b in g.buckets}  # used in place
+    assert views[0].data_ptr() == storage.data_ptr() + 80  # not re-pointed
+    assert {len(b.params) for b in g.buckets} == {2, 1}  # the views; alone+f32 differ in dtype
+    assert g.rest == [strided]
+
+
+def test_flat_false_is_the_per_tensor_path():
+    ours_p, ref_p = odd_params(), odd_params()
+    ours = fused.AdamW(ours_p, lr=1e-2, flat=False)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, foreach=False)
+    drive(ours_p, ours, 4)
+    drive(ref_p, ref, 4)
+    assert_same(ours_p, ref_p, ours, ref, "flat=False")
+    assert ours._flat is None
