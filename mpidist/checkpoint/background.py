@@ -159,15 +159,19 @@ class AsyncCheckpoint:
     ``error``.
     """
 
-    def __init__(self, path: str, plan: SavePlan | None, *, comm: Any = None,
+    def __init__(self, path: str, plan: SavePlan, *, comm: Any = None,
                  keep: int | None = None, owner: Any = None) -> None:
         self.path = path
         self.owner = owner  #: who polls it between steps (an optimizer), or None
         self._plan, self._own, self._keep = plan, comm, keep
         self._pool: HostPool | None = None
-        self.bytes = 0 if plan is None else sum(i.nbytes for i in plan.infos.values())
-        self.local_bytes = 0 if plan is None else sum(int(p.data.nbytes) for p in plan.pieces)
+        self.bytes = sum(i.nbytes for i in plan.infos.values())
+        self.local_bytes = sum(int(p.data.nbytes) for p in plan.pieces)
         self.tmp, self.started_ns = "", 0
+        step = plan.plain.get("step")
+        self._ctx = WriterContext(rank=size_rank(comm)[1], path=path, tmp="",
+                                  step=int(step) if isinstance(step, (int, np.integer))
+                                  else None, asynchronous=True)
         self._offsets = np.empty(0, dtype=np.int64)
         self.blocking_seconds = self.background_seconds = self.commit_seconds = 0.0
         #: the save call's parts: snapshot (the copy), agreement, layout, start (thread)
@@ -179,7 +183,6 @@ class AsyncCheckpoint:
         self._sums: np.ndarray | None = None
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx: WriterContext | None = None
 
     # -- not collective ---------------------------------------------------------------------
     def done(self) -> bool:
@@ -200,8 +203,7 @@ class AsyncCheckpoint:
         communicator is left as it is (a revoked communicator is its recovery's to free)."""
         if self.committed or self.abandoned:
             return
-        if self._ctx is not None:
-            self._ctx.cancel.set()
+        self._ctx.cancel.set()
         if self._thread is not None:
             self._thread.join()
         self.abandoned = True
@@ -246,7 +248,7 @@ class AsyncCheckpoint:
         failed is stopped first."""
         if self.committed or self.abandoned:
             return True
-        if any_failed and self._ctx is not None and not self._finished.is_set():
+        if any_failed and not self._finished.is_set():
             self._ctx.cancel.set()
         if not (all_done or any_failed):
             return False
@@ -260,13 +262,8 @@ class AsyncCheckpoint:
         :func:`~mpidist.checkpoint.phases.layout_posix`) from the snapshot in ``pool``, and
         make this the save in flight. Called by
         :func:`~mpidist.checkpoint.io.save_checkpoint`; not collective."""
-        plan = self._plan
-        assert plan is not None
         self._pool, self.tmp, self.started_ns, self._offsets = pool, tmp, started_ns, offsets
-        size, rank = size_rank(self._own)
-        step = plan.plain.get("step")
-        self._ctx = WriterContext(rank=rank, step=int(step) if isinstance(
-            step, (int, np.integer)) else None, path=self.path, tmp=tmp, asynchronous=True)
+        self._ctx.tmp = tmp
         _IN_FLIGHT[:] = [self]
         self._thread = threading.Thread(target=self._write, name="mpidist-checkpoint-writer",
                                         args=(writer_hook(),), daemon=True)
@@ -275,7 +272,6 @@ class AsyncCheckpoint:
     def _write(self, hook: Any) -> None:
         """The background thread: this rank's bytes, checksums and fsync; no MPI."""
         plan, ctx = self._plan, self._ctx
-        assert plan is not None and ctx is not None
         t0 = time.perf_counter()
         try:
             with capture_failure() as box:
@@ -293,14 +289,11 @@ class AsyncCheckpoint:
 
     def _commit(self, step: int | None) -> None:
         """Every rank's verdict, the checksums, then rank 0's rename and ``latest``."""
-        plan = self._plan
-        assert plan is not None
         t0 = time.perf_counter()
         own = self._own
         try:
-            _agree_on_writes(own, self._failure, stopped=self._sums is None)
-            assert self._sums is not None
-            finish_sums(self.tmp, plan.names, self._sums, own)
+            sums = _agree_on_writes(own, self._failure, self._sums)
+            finish_sums(self.tmp, self._plan.names, sums, own)
             commit_file(self.path, self.tmp, os.path.dirname(os.path.abspath(self.path)),
                         self._keep, self.started_ns, own)
             self.committed = True
@@ -322,20 +315,26 @@ class AsyncCheckpoint:
         if self._pool is not None:
             self._pool.release()
             self._pool = None
-        self._plan = None if self.committed or self.abandoned else self._plan
         if _IN_FLIGHT and _IN_FLIGHT[0] is self:
             _IN_FLIGHT.clear()
 
 
-def _agree_on_writes(own: Any, failure: Failure | None, stopped: bool) -> None:
+def _agree_on_writes(own: Any, failure: Failure | None, sums: np.ndarray | None
+                     ) -> np.ndarray:
     """:func:`~mpidist.checkpoint.agreement.agree` on the writes' outcome, where a write
-    stopped because another rank's failed yields to that rank's failure: every rank
-    raises the first failed rank's error, as a blocking save does. Collective over ``own``."""
+    stopped (no ``sums``) because another rank's failed yields to that rank's failure: every
+    rank raises the first failed rank's error, as a blocking save does. This rank's partial
+    checksums when every write succeeded. Collective over ``own``."""
+    stopped = sums is None
+    if own is None and failure is not None:  # one process: as agree() raises it
+        raise failure.cls(str(failure))
     mine = None if failure is None else (failure.cls.__name__, str(failure))
     everyone = [(mine, stopped)] if own is None else own.allgather((mine, stopped))
     for r, (item, _) in enumerate(everyone):
         if item is not None:
             raise ERRORS.get(item[0], CheckpointError)(f"[rank {r}] {item[1]}")
     halted = [r for r, (_, was) in enumerate(everyone) if was]
-    if halted:
-        raise CheckpointError(f"[rank {halted[0]}] the background write was stopped")
+    if halted or sums is None:
+        raise CheckpointError(f"[rank {halted[0] if halted else 0}] the background write "
+                              "was stopped")
+    return sums

@@ -35,6 +35,7 @@ from mpidist.checkpoint.format import (
     TensorInfo,
 )
 from mpidist.checkpoint.phases import (
+    SavePlan,
     agree_on_arguments,
     check_coverage,
     commit_file,
@@ -99,12 +100,10 @@ def save_checkpoint(
     Returns:
         ``path`` as a string; with ``async_``, the save's handle.
     """
-    from mpidist._version import __version__
-
     wait_in_flight()
     t0 = time.perf_counter()
     comm = traced(comm)
-    size, rank = size_rank(comm)
+    size, _ = size_rank(comm)
     path = os.fspath(path)
     pool = default_pool() if pool is None else pool
     own = label(comm.Dup(), "checkpoint") if size > 1 else None
@@ -114,60 +113,72 @@ def save_checkpoint(
         #    and no rank failed.
         plan = agree_on_arguments(path, tensors, pieces, attrs, keep, serial, comm, own,
                                   prepare=pool.snapshot if async_ else None)
-        names, infos, plist, rows = plan.names, plan.infos, plan.pieces, plan.rows
-        t_plan = time.perf_counter()
-
-        # 2. checksums: partial sums of the local pieces, summed mod 2**64 over ranks (the
-        #    posix mode computes them while writing).
-        sums = None if plan.mode == "posix" else global_sums(plist, rows, len(names), own)
-
-        # 3. rank 0 names the temp file and stamps the time; everyone gets the same values.
-        directory = os.path.dirname(os.path.abspath(path))
-        tmp, created, started_ns = name_temp_file(path, directory, own)
-        root = dict(plan.plain, format=FORMAT_NAME, format_version=np.int64(FORMAT_VERSION),
-                    library_version=__version__, created=created, metadata_json=plan.whole,
-                    checksum_algorithm=CHECKSUM_ALGORITHM, num_tensors=np.int64(len(names)))
-
-        # 4. write the temp file and fsync it on every rank (asynchronous: lay it out and
-        #    hand the writing to a background thread).
-        try:
-            if plan.mode == "posix" and async_:
-                offsets = layout_posix(tmp, names, infos, root, own)
-                t_layout = time.perf_counter()
-                handle = AsyncCheckpoint(path, plan, comm=own, keep=keep, owner=owner)
-                handle.start(pool, tmp, started_ns, offsets)
-                handle.blocking_seconds = time.perf_counter() - t0
-                handle.phase_seconds = {
-                    "snapshot": pool.last_seconds, "layout": t_layout - t_plan,
-                    "agreement": t_plan - t0 - pool.last_seconds,
-                    "start": handle.blocking_seconds - (t_layout - t0)}
-                return handle
-            if plan.mode == "posix":
-                save_posix(tmp, names, infos, root, plist, rows, own, plan.writeback)
-            elif plan.mode == "mpio":
-                save_mpio(tmp, names, infos, sums, root, plist, own)
-            else:
-                save_serial(tmp, names, infos, sums, root, plist, own)
-        except CheckpointError:
-            if rank == 0:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-            raise
-
-        # 5. commit: rename, fsync the directory, move `latest`, apply retention.
-        commit_file(path, tmp, directory, keep, started_ns, own)
-        if not async_:
-            return path
-        handle = AsyncCheckpoint(path, plan, keep=keep, owner=owner)
-        handle.committed = True  # written before returning: mpio or serial mode
-        handle.blocking_seconds = time.perf_counter() - t0
-        return handle
+        handle = _write_and_commit(path, plan, keep, own, (pool, owner, t0) if async_ else None)
+        return path if handle is None else handle
     finally:
         if handle is None or handle.committed:  # else the save in flight holds them
             if async_:
                 pool.release()
             if own is not None:
                 own.Free()
+
+
+def _write_and_commit(path: str, plan: SavePlan, keep: int | None, own: Any,
+                      asynchronous: tuple[HostPool, Any, float] | None
+                      ) -> AsyncCheckpoint | None:
+    """Phases 2-5 of a save; with ``asynchronous`` (pool, owner, start time) its handle:
+    started in the posix mode (the write left to a thread, no commit yet), else
+    committed. Collective over ``own``."""
+    from mpidist._version import __version__
+
+    names, infos, plist, rows = plan.names, plan.infos, plan.pieces, plan.rows
+    t_plan = time.perf_counter()
+    # 2. checksums: partial sums of the local pieces, summed mod 2**64 over ranks (the
+    #    posix mode computes them while writing).
+    sums = None if plan.mode == "posix" else global_sums(plist, rows, len(names), own)
+
+    # 3. rank 0 names the temp file and stamps the time; everyone gets the same values.
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp, created, started_ns = name_temp_file(path, directory, own)
+    root = dict(plan.plain, format=FORMAT_NAME, format_version=np.int64(FORMAT_VERSION),
+                library_version=__version__, created=created, metadata_json=plan.whole,
+                checksum_algorithm=CHECKSUM_ALGORITHM, num_tensors=np.int64(len(names)))
+
+    # 4. write the temp file and fsync it on every rank (asynchronous: lay it out and hand
+    #    the writing to a background thread).
+    try:
+        if plan.mode == "posix" and asynchronous is not None:
+            pool, owner, t0 = asynchronous
+            offsets = layout_posix(tmp, names, infos, root, own)
+            t_layout = time.perf_counter()
+            handle = AsyncCheckpoint(path, plan, comm=own, keep=keep, owner=owner)
+            handle.start(pool, tmp, started_ns, offsets)
+            handle.blocking_seconds = time.perf_counter() - t0
+            handle.phase_seconds = {
+                "snapshot": pool.last_seconds, "layout": t_layout - t_plan,
+                "agreement": t_plan - t0 - pool.last_seconds,
+                "start": handle.blocking_seconds - (t_layout - t0)}
+            return handle
+        if plan.mode == "posix":
+            save_posix(tmp, names, infos, root, plist, rows, own, plan.writeback)
+        elif plan.mode == "mpio":
+            save_mpio(tmp, names, infos, sums, root, plist, own)
+        else:
+            save_serial(tmp, names, infos, sums, root, plist, own)
+    except CheckpointError:
+        if own is None or own.Get_rank() == 0:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
+
+    # 5. commit: rename, fsync the directory, move `latest`, apply retention.
+    commit_file(path, tmp, directory, keep, started_ns, own)
+    if asynchronous is None:
+        return None
+    handle = AsyncCheckpoint(path, plan, keep=keep, owner=asynchronous[1])
+    handle.committed = True  # written before returning: mpio or serial mode
+    handle.blocking_seconds = time.perf_counter() - asynchronous[2]
+    return handle
 
 
 def save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],

@@ -22,7 +22,7 @@ comma-separated ``key=value`` items ``point=<point>`` (required), ``action=fail|
 (required), ``seconds=S`` (for ``delay``), ``rank=R`` (only that rank of the save's
 communicator; default every rank), ``step=S`` (only the save whose ``step`` attribute is S;
 default every save). ``stop`` and ``delay`` print one line to stderr when they start
-(``mpidist: checkpoint writer hook: rank R stop at mid-write of step S``); ``stop`` waits
+(``mpidist: checkpoint writer hook: rank R (pid P) stop at mid-write of step S``); ``stop`` waits
 until the save is abandoned (or forever in a blocking save); ``fail`` raises
 ``OSError(ENOSPC)``.
 """
@@ -130,8 +130,8 @@ class _EnvHook:
         if self.action == "fail":
             raise OSError(errno.ENOSPC, f"No space left on device (injected by {HOOK_ENV} "
                                         f"at {point})")
-        sys.stderr.write(f"mpidist: checkpoint writer hook: rank {ctx.rank} {self.action} at "
-                         f"{point} of step {ctx.step}\n")
+        sys.stderr.write(f"mpidist: checkpoint writer hook: rank {ctx.rank} (pid {os.getpid()}) "
+                         f"{self.action} at {point} of step {ctx.step}\n")
         sys.stderr.flush()
         if self.action == "delay":
             ctx.cancel.wait(self.seconds)

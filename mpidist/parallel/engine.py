@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mpidist.checkpoint.background import in_flight
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
@@ -279,6 +280,9 @@ class ShardedOptimizer(TrainingStateMixin):
         whole global batch, identical on every rank.
         """
         model = self._resolve(model)
+        pending = in_flight()
+        if pending is not None and pending.owner is self:  # save(async_=True): commit when done
+            pending.poll(self.step_count)
         before = self.hook.bytes_sent
         set_step(self.step_count + 1)  # what MPI calls record (the flight recorder)
         with phase("optimizer"):  # forward_backward marks its own phases inside
