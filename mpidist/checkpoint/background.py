@@ -203,7 +203,7 @@ class AsyncCheckpoint:
         communicator is left as it is (a revoked communicator is its recovery's to free)."""
         if self.committed or self.abandoned:
             return
-        self._ctx.cancel.set()
+        self._ctx.stop()
         if self._thread is not None:
             self._thread.join()
         self.abandoned = True
@@ -249,7 +249,7 @@ class AsyncCheckpoint:
         if self.committed or self.abandoned:
             return True
         if any_failed and not self._finished.is_set():
-            self._ctx.cancel.set()
+            self._ctx.stop()
         if not (all_done or any_failed):
             return False
         self._finished.wait()

@@ -30,14 +30,17 @@ until the save is abandoned (or forever in a blocking save); ``fail`` raises
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from mpidist.checkpoint import storage
 from mpidist.checkpoint.format import Piece, TensorInfo
 from mpidist.checkpoint.storage import Writeback, dataset_dtype, pwrite_array
 
@@ -64,7 +67,14 @@ class WriterContext:
     path: str  #: the checkpoint's final path
     tmp: str  #: the temp file being written
     asynchronous: bool  #: whether this is an asynchronous save's background thread
-    cancel: threading.Event = field(default_factory=threading.Event)  #: set on abandon
+    cancel: threading.Event = field(default_factory=threading.Event)  #: set by :meth:`stop`
+    #: the same as an int64 flag, which the compiled write loop reads between chunks
+    flag: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    def stop(self) -> None:
+        """Ask the writer to stop between chunks (the save is abandoned). Any thread."""
+        self.flag[0] = 1
+        self.cancel.set()
 
 
 _HOOK: dict[str, Callable[[str, WriterContext], None] | None] = {"set": None}
@@ -156,40 +166,39 @@ def write_rank_bytes(tmp: str, names: Sequence[str], infos: Mapping[str, TensorI
     """Write this rank's pieces into the laid-out temp file and fsync it; the partial
     checksums ``(len(names), 2)`` (uint64) of what it wrote. Not collective; no MPI.
 
-    One pass in file order: every chunk is checksummed while in cache, written with
-    ``pwrite``, and handed to :class:`~mpidist.checkpoint.storage.Writeback`, so the final
-    fsync finds little left to do. ``hook`` is called at :data:`WRITER_POINTS`; raises
-    :class:`WriteCancelled` between chunks once ``ctx.cancel`` is set.
+    One pass in file order: every 4 MB chunk is checksummed while in cache, written with
+    ``pwrite``, and the kernel asked to start writing it back, so the final fsync finds
+    little left to do. Pieces already in the stored byte order go through one compiled
+    loop that holds no GIL (:mod:`mpidist.checkpoint.native`), others through
+    :func:`~mpidist.checkpoint.storage.pwrite_array`. ``hook`` is called at
+    :data:`WRITER_POINTS` ("mid-write" after the piece that crosses half of this rank's
+    bytes); raises :class:`WriteCancelled` between chunks once ``ctx.stop()`` was called.
     """
     sums = np.zeros((len(names), 2), dtype=np.uint64)
     order = sorted(range(len(pieces)), key=lambda k: (int(offsets[rows[k, 0]]), int(rows[k, 1])))
-    total = sum(int(rows[k, 2] - rows[k, 1]) * dataset_dtype(infos[names[rows[k, 0]]].dtype)
-                .itemsize for k in order)
-    progress = {"bytes": 0, "mid": False}
-
-    def chunk_done(nbytes: int) -> None:
-        progress["bytes"] += nbytes
-        if not progress["mid"] and 2 * progress["bytes"] >= total:
-            progress["mid"] = True
-            _call(hook, "mid-write", ctx)
-        elif ctx.cancel.is_set():
-            raise WriteCancelled(tmp)
-
+    items = []  # (piece, tensor, first element, stored dtype), in file order
+    for k in order:
+        t, a, b = (int(x) for x in rows[k])
+        if b > a:
+            items.append((pieces[k], t, a, dataset_dtype(infos[names[t]].dtype)))
+    sizes = np.cumsum([p.data.shape[0] * stored.itemsize for p, _, _, stored in items])
+    half = int(np.searchsorted(sizes, sizes[-1] / 2)) + 1 if len(items) else 0
+    kernel = native_writer() if all(_native(p.data, stored) for p, _, _, stored in items) \
+        else None
     fd = os.open(tmp, os.O_WRONLY)
     try:
         _call(hook, "before-write", ctx)
-        writeback = Writeback(fd, writeback_bytes)
-        for k in order:  # file order: each rank's writes move forward through the file
-            t, a, b = (int(x) for x in rows[k])
-            if b > a:
-                stored = dataset_dtype(infos[names[t]].dtype)
-                sums[t] = pwrite_array(fd, int(offsets[t]) + a * stored.itemsize,
-                                       pieces[k].data, stored, writeback,
-                                       (int(sums[t, 0]), int(sums[t, 1])), a, chunk_done)
-        if not progress["mid"]:  # nothing to write on this rank
-            progress["mid"] = True
+        if kernel is not None:
+            every = writeback_bytes if storage.sync_file_range() is not None else 0
+            _write_native(kernel, fd, items[:half], offsets, sums, every, ctx)
             _call(hook, "mid-write", ctx)
-        writeback.flush()
+            _write_native(kernel, fd, items[half:], offsets, sums, every, ctx)
+        else:
+            writeback = Writeback(fd, writeback_bytes)
+            _write_python(fd, items[:half], offsets, sums, writeback, ctx)
+            _call(hook, "mid-write", ctx)
+            _write_python(fd, items[half:], offsets, sums, writeback, ctx)
+            writeback.flush()
         # Every rank flushes what it wrote (on a shared file system the dirty pages live on
         # the writer's node); rank 0 fsyncs again after patching the checksums.
         os.fsync(fd)
@@ -197,3 +206,66 @@ def write_rank_bytes(tmp: str, names: Sequence[str], infos: Mapping[str, TensorI
         os.close(fd)
     _call(hook, "before-commit", ctx)
     return sums
+
+
+def _native(data: np.ndarray, stored: np.dtype) -> bool:
+    return data.dtype == stored and data.flags.c_contiguous and stored.itemsize in (1, 2, 4, 8)
+
+
+@functools.cache
+def native_writer() -> Callable[..., None] | None:
+    """The compiled write loop, or None where it cannot be built (no Numba, a libc
+    without ``pwrite``/``sync_file_range``): the Python loop then writes."""
+    try:
+        from mpidist.checkpoint import native
+
+        state = np.zeros(4, dtype=np.int64)
+        native.write_table(-1, np.zeros((0, 6), dtype=np.int64),
+                           np.zeros((1, 2), dtype=np.uint64), storage.FUSED_CHUNK_BYTES, 0,
+                           np.zeros(1, dtype=np.int64), state)
+    except Exception:  # noqa: BLE001 - any failure to build it means: the Python loop
+        return None
+    return native.write_table
+
+
+def _write_native(kernel: Callable[..., None], fd: int, items: Sequence[Any],
+                  offsets: np.ndarray, sums: np.ndarray, every: int,
+                  ctx: WriterContext) -> None:
+    from mpidist.checkpoint import native
+
+    if not items:
+        return
+    table = np.array([(p.data.ctypes.data, p.data.nbytes, int(offsets[t]) + a * s.itemsize,
+                       s.itemsize, a, t) for p, t, a, s in items], dtype=np.int64)
+    state = np.zeros(4, dtype=np.int64)
+    chunk = storage.FUSED_CHUNK_BYTES
+    while True:
+        kernel(fd, table, sums, chunk, every, ctx.flag, state)
+        if state[3] == native.DONE:
+            return
+        if state[3] == native.CANCELLED:
+            raise WriteCancelled(ctx.tmp)
+        # pwrite failed: the rest of the chunk again from Python, for the OSError (or, if
+        # it was interrupted, to go on)
+        r, pos, done = (int(x) for x in state[:3])
+        size = int(table[r, native.ITEMSIZE])
+        n = min(max(1, chunk // size) * size, int(table[r, native.NBYTES]) - pos)
+        view = memoryview(items[r][0].data.view(np.uint8))[pos + done:pos + n]
+        at = int(table[r, native.OFFSET]) + pos + done
+        while view.nbytes:
+            k = os.pwrite(fd, view, at)
+            if k <= 0:
+                raise OSError(f"pwrite wrote {k} bytes at offset {at}")
+            view, at = view[k:], at + k
+        state[:] = (r, pos + n, 0, native.DONE)
+
+
+def _write_python(fd: int, items: Sequence[Any], offsets: np.ndarray, sums: np.ndarray,
+                  writeback: Writeback, ctx: WriterContext) -> None:
+    def chunk_done(nbytes: int) -> None:
+        if ctx.cancel.is_set():
+            raise WriteCancelled(ctx.tmp)
+
+    for p, t, a, stored in items:
+        sums[t] = pwrite_array(fd, int(offsets[t]) + a * stored.itemsize, p.data, stored,
+                               writeback, (int(sums[t, 0]), int(sums[t, 1])), a, chunk_done)
