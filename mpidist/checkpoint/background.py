@@ -36,8 +36,10 @@ from the snapshot, and returns a handle that is already committed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -136,6 +138,16 @@ def default_pool() -> HostPool:
 def in_flight() -> AsyncCheckpoint | None:
     """The asynchronous save of this process not yet committed, failed or abandoned."""
     return _IN_FLIGHT[0] if _IN_FLIGHT else None
+
+
+@atexit.register
+def _never_committed() -> None:
+    """Say so when the process ends with a save in flight (its temp file stays hidden)."""
+    pending = in_flight()
+    if pending is not None and not pending.committed:
+        sys.stderr.write(f"mpidist: warning: the asynchronous checkpoint {pending.path} was "
+                         "never committed (no wait(), step() or later save); the previous "
+                         "checkpoint is the latest\n")
 
 
 def wait_in_flight(step: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """A rank's posix write pass as one compiled loop that runs without the GIL.
 
-:func:`write_table` checksums and ``pwrite``\\ s every piece of a table, 4 MB chunk after
+:func:`write_table` checksums and writes (``pwrite``) every piece of a table, 4 MB chunk after
 chunk, and asks the kernel to start writing back as it goes (``sync_file_range`` on
 Linux), all inside one Numba function compiled ``nogil``: libc's ``pwrite`` is called from
 compiled code, so the GIL is taken once per call, not once per chunk. A background

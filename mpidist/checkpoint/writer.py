@@ -2,8 +2,8 @@
 
 :func:`write_rank_bytes` is the pass every rank makes over its pieces in the ``posix`` I/O
 mode, blocking or in an asynchronous save's background thread alike: each 4 MB chunk
-checksummed and ``pwrite``\\ n at its dataset's offset in file order, the kernel asked to
-start writing back as it goes, and the rank's file descriptor ``fsync``\\ ed at the end.
+checksummed and written (``pwrite``) at its dataset's offset in file order, the kernel asked
+to start writing back as it goes, and the rank's file descriptor fsynced at the end.
 It does no MPI, so it may run in any thread.
 
 **The writer hook** (for tests: crash safety, error paths). At three points of that pass
