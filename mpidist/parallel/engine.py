@@ -280,11 +280,12 @@ class ShardedOptimizer(TrainingStateMixin):
         whole global batch, identical on every rank.
         """
         model = self._resolve(model)
-        pending = in_flight()
-        if pending is not None and pending.owner is self:  # save(async_=True): commit when done
-            pending.poll(self.step_count)
         before = self.hook.bytes_sent
         set_step(self.step_count + 1)  # what MPI calls record (the flight recorder)
+        pending = in_flight()
+        if pending is not None and pending.owner is self:  # save(async_=True): commit when done
+            with phase("checkpoint"):
+                pending.poll(self.step_count)
         with phase("optimizer"):  # forward_backward marks its own phases inside
             loss = self.hook.step(self, model, batch)
         recorder.step_done(self.step_count)
