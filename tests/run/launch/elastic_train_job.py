@@ -14,6 +14,7 @@ if asynchronous:
 
     os.environ["MPIDIST_CHECKPOINT_WRITER_HOOK"] = "point=mid-write,action=delay,seconds=1,step=1"
 cfg = TrainConfig(out=out, strategy=strategy, zero_stage=stage, n_layer=1, n_head=2, n_embd=16,
+                  vocab_size=256,  # as stored: a joiner that finds a checkpoint compares
                   block_size=16, global_batch=12, dtype="float64", eval_interval=0,
                   eval_batches=1, steps=steps, checkpoint_interval=1 if asynchronous else 2,
                   progress=False, resume="auto", checkpoint_async=asynchronous)
