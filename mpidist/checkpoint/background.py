@@ -324,6 +324,7 @@ class AsyncCheckpoint:
                 self._own = None
 
     def _release(self) -> None:
+        self._plan.pieces = []  # the snapshot's views: the pool is the next save's now
         if self._pool is not None:
             self._pool.release()
             self._pool = None
