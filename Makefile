@@ -230,7 +230,8 @@ bench: warm
 	$(BENCH_ENV) $(PY) benchmarks/model_step.py
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/ddp_overhead.py; done
 	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/zero_memory.py; done
-	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py; done
+	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py --sections io; done
+	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/checkpoint_io.py --size-mb 512 --repeats 3 --sections async,window,torch
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/pipeline_bubble.py
 	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/pipeline_schedules.py
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py

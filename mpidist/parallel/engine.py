@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mpidist.checkpoint.background import in_flight
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
@@ -281,6 +282,10 @@ class ShardedOptimizer(TrainingStateMixin):
         model = self._resolve(model)
         before = self.hook.bytes_sent
         set_step(self.step_count + 1)  # what MPI calls record (the flight recorder)
+        pending = in_flight()
+        if pending is not None and pending.owner is self:  # save(async_=True): commit when done
+            with phase("checkpoint"):
+                pending.poll(self.step_count)
         with phase("optimizer"):  # forward_backward marks its own phases inside
             loss = self.hook.step(self, model, batch)
         recorder.step_done(self.step_count)

@@ -77,6 +77,7 @@ class TrainConfig:
     val_data: str | None = None
     data_verify: bool = False
     checkpoint_interval: int = 200
+    checkpoint_async: bool = False
     keep: int = 3
     resume: bool | str = False
     overwrite: bool = False
@@ -325,6 +326,13 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "check the token file's content hash before training (reads it once, split over the "
      "ranks)"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
+    ("--checkpoint-async", "store_const", None,
+     "write the periodic checkpoints in the background: a save copies the state into host "
+     "memory and training goes on while a thread on each rank writes it; it commits (and "
+     "`latest` moves) at a later step boundary once every rank is done. The next save, "
+     "SIGTERM/SIGUSR1 and the end of the run wait for it; the last checkpoint is written "
+     "blocking. Only the default posix I/O mode writes in the background: with "
+     "MPIDIST_CHECKPOINT_IO=mpio or serial saves stay blocking"),
     ("--keep", int, None, "checkpoints to keep"),
     ("--resume", "resume", None,
      "continue from the latest checkpoint under --out, with the settings it was trained "

@@ -30,6 +30,7 @@ from mpidist.core.comms import phase, world
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
+from mpidist.run.checkpoints import RunCheckpoints
 from mpidist.run.config import TrainConfig, check_output_directory
 from mpidist.run.directory import (
     HANG_DIR,
@@ -57,7 +58,7 @@ __all__ = ["EXIT_PREEMPTED", "run_training"]
 
 log = logging.getLogger("mpidist.cli.train")
 
-_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak")
+_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak", "host_snapshot")
 _EVAL_SEED = 1234
 
 
@@ -143,6 +144,7 @@ class _Run:
         self.preempted = ""
         self.metrics = JsonLines(os.path.join(cfg.out, "metrics.jsonl"), self.is_root)
         self.events = JsonLines(os.path.join(cfg.out, "events.jsonl"), self.is_root)
+        self.checkpoints = RunCheckpoints(cfg, self.events)
 
     # -- who is who --------------------------------------------------------------------------
     def job_comm(self) -> Any:
@@ -285,7 +287,7 @@ class _Run:
         if cfg.eval_interval and (s % cfg.eval_interval == 0 or s == cfg.steps):
             self._evaluate(model, s)
         if cfg.checkpoint_interval and s % cfg.checkpoint_interval == 0 or s == cfg.steps:
-            self._save(s)
+            self._save(s, final=s == cfg.steps)
 
     def _evaluate(self, model: Any, step: int) -> None:
         cfg = self.cfg
@@ -293,32 +295,28 @@ class _Run:
                                           global_batch_size=cfg.global_batch, seed=_EVAL_SEED)
         self.metrics.write(step=step, loss=self.val_loss, split="validation")
 
-    def _save(self, step: int, **event: Any) -> None:
-        from mpidist.checkpoint.training import save_training
-
-        t0 = time.perf_counter()
-        with phase("checkpoint"):
-            path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
-                                 comm=self.job_comm(),
-                                 extra={"train_config": dataclasses.asdict(self.cfg),
-                                        "data": self.train_data.identity()})
-        dt = time.perf_counter() - t0
-        self.io_seconds += dt
+    def _save(self, step: int, final: bool = False, **event: Any) -> None:
+        """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank."""
+        self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
+                              extra={"train_config": dataclasses.asdict(self.cfg),
+                                     "data": self.train_data.identity()},
+                              final=final, **event)
         self.last_saved = step
-        self.events.write(event="checkpoint", step=step, world_size=self.world_size(),
-                          path=os.path.basename(path), seconds=dt, time=time.time(), **event)
 
     def between_steps(self, model: Any, rec: Any) -> Any:
         """If any rank got a preemption signal: checkpoint and stop (every rank)."""
         if rec.step >= self.cfg.steps:
             return model  # the run ends here anyway, with its final checkpoint
+        self.checkpoints.before_agreement(self.agreement)  # the async save's progress
         with phase("agreement"):
             signum = self.preemption.agreed(self.job_comm(), self.agreement)
+        self.checkpoints.after_agreement(self.agreement, rec.step)
         if not signum:
             return model
         self.preempted = signal_name(signum)
+        self.checkpoints.wait(rec.step)  # the save in flight first
         if self.last_saved != rec.step:
-            self._save(rec.step, reason="preempted")
+            self._save(rec.step, final=True, reason="preempted")
         requeue = ""
         if self.cfg.requeue and self.is_root():
             requeue = requeue_slurm_job()
@@ -347,12 +345,13 @@ class _Run:
         cfg = self.cfg
         loss = outcome.last.loss if outcome.last is not None else float("nan")
         step = self.opt.step_count
+        self.checkpoints.wait(step)
         if not self.preempted:
             if not np.isfinite(self.val_loss) or cfg.eval_interval == 0:
                 self._evaluate(self.model, cfg.steps)
             if self.last_saved != cfg.steps and cfg.steps > 0 and step == cfg.steps \
                     and outcome.steps:
-                self._save(cfg.steps)
+                self._save(cfg.steps, final=True)
         summary = self._summary(loss, seconds, setup_seconds, outcome.steps)
         self.events.write(event="end", step=step, world_size=self.world_size(),
                           time=time.time(), final_loss=loss, validation_loss=self.val_loss,
@@ -368,10 +367,11 @@ class _Run:
         cfg = self.cfg
         comm = self.job_comm()
         size = comm.Get_size()
-        memory = self.opt.memory_report()
+        memory = dict(self.opt.memory_report(), host_snapshot=self.checkpoints.snapshot_bytes())
         mem = np.array([memory.get(k, 0) for k in _MEM_KEYS], dtype=np.int64)
         mem_all = C.allgather(mem, comm=comm).reshape(size, len(_MEM_KEYS))
         timers = dict(self.opt.timers)
+        io = self.io_seconds + self.checkpoints.blocking_seconds  # training stood still
         tokens_per_step = cfg.global_batch * cfg.block_size
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
@@ -387,7 +387,9 @@ class _Run:
             "seconds": seconds,
             "time_split_seconds": {"compute": timers.get("compute", 0.0),
                                    "communication": timers.get("communication", 0.0),
-                                   "update": timers.get("update", 0.0), "io": self.io_seconds},
+                                   "update": timers.get("update", 0.0), "io": io},
+            "io_seconds": {"blocking": io,
+                           "background": self.checkpoints.background_seconds},
             "memory_bytes_per_rank": [dict(zip(_MEM_KEYS, map(int, row), strict=True))
                                       for row in mem_all],
             "setup_seconds": setup,

@@ -134,9 +134,14 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
     total = sum(t.values()) or 1.0
     print("time split            " + ", ".join(
         f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in t.items()))
-    print("memory per rank (MiB): rank  params  grads  optimizer  working-peak")
+    background = (s.get("io_seconds") or {}).get("background", 0.0)
+    if background:
+        print(f"checkpoint io         {t['io']:.1f} s blocking (in the split above), "
+              f"{background:.1f} s written in the background alongside training")
+    print("memory per rank (MiB): rank  params  grads  optimizer  working-peak  snapshot")
     for r, m in enumerate(s["memory_bytes_per_rank"]):
         print(f"{'':22}{r:>4}  {m['parameters'] / mb:6.2f} {m['gradients'] / mb:6.2f}"
-              f"  {m['optimizer_state'] / mb:9.2f}  {m['working_peak'] / mb:12.2f}")
+              f"  {m['optimizer_state'] / mb:9.2f}  {m['working_peak'] / mb:12.2f}"
+              f"  {m.get('host_snapshot', 0) / mb:8.2f}")
     print(f"outputs in {out}/: metrics.jsonl, events.jsonl, summary.json, checkpoints"
           + (", loss.png" if plotted else ""), flush=True)
