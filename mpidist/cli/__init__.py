@@ -43,6 +43,11 @@ def _cmd_env(args: argparse.Namespace) -> int:
     print(f"numba           : {first['numba_version']}; CUDA: {first['cuda']}")
     print(f"launcher        : {first['launcher']}")
     print(f"world size      : {first['size']} on {first['nodes']} node(s)")
+    print(f"fault tolerance : {first['fault_tolerance_line']}")
+    others = sorted({r["fault_tolerance_line"] for r in rows} - {first["fault_tolerance_line"]})
+    for line in others:
+        ranks = [r["rank"] for r in rows if r["fault_tolerance_line"] == line]
+        print(f"                  ranks {' '.join(map(str, ranks))}: {line}")
     print(f"{'rank':>4} {'local':>5} {'host':<24} GPU")
     for row in rows:
         print(f"{row['rank']:>4} {row['local_rank']:>5}/{row['local_size']:<3} "

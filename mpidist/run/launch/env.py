@@ -93,6 +93,10 @@ class RuntimeEnvironment:
     hdf5_version: str
     numba_version: str
     cuda: str
+    #: in-job recovery from a dead rank possible (:func:`mpidist.core.ft.fault_tolerance`)
+    fault_tolerance: bool = False
+    #: ``on (...)`` or ``off: <why>``
+    fault_tolerance_line: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +146,7 @@ def detect_environment(comm: Any = None) -> RuntimeEnvironment:
 
     from mpidist.core.collectives import cuda_aware
     from mpidist.core.comms import world
+    from mpidist.core.ft import fault_tolerance
 
     comm = world(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -174,4 +179,6 @@ def detect_environment(comm: Any = None) -> RuntimeEnvironment:
         hdf5_version=hdf5v,
         numba_version=numba_v,
         cuda=_cuda_info(),
+        fault_tolerance=fault_tolerance().available,
+        fault_tolerance_line=fault_tolerance().line(),
     )
