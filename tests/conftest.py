@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 
 import numpy as np
 import pytest
+
+# Flight-recorder dumps of tests that hang or abort on purpose (the library's default is
+# ./mpidist-hang) go to the temporary directory, also from the mpiexec runs tests start.
+os.environ.setdefault("MPIDIST_HANG_DIR", os.path.join(tempfile.gettempdir(),
+                                                     f"mpidist-test-hang-{os.getuid()}"))
 
 
 def _world():

@@ -77,6 +77,9 @@ SMOKE: dict[str, Smoke] = {
     "preemption.py": Smoke(
         0, ("-n", "2", "--strategy", "ddp", "--", *TINY_GPT, "--global-batch", "4"),
         ("signal -> all ranks exited",)),
+    "recorder.py": Smoke(
+        2, ("--calls", "1000", "--rounds", "2", "--steps", "3", *TINY_GPT,
+            "--global-batch", "4"), ("ns/call", "calls/step")),
     "torch_backend.py": Smoke(
         2, ("--model", "transformer", "--steps", "1", "--rounds", "1", "--repeats", "2",
             "--sizes", "4096", "--out", "{tmp}"), ("/ gloo", "raw MPI"), torch=True),

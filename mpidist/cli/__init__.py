@@ -48,10 +48,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
     for line in others:
         ranks = [r["rank"] for r in rows if r["fault_tolerance_line"] == line]
         print(f"                  ranks {' '.join(map(str, ranks))}: {line}")
-    print(f"{'rank':>4} {'local':>5} {'host':<24} GPU")
+    print(f"{'rank':>4} {'local':>5} {'host':<24} {'pid':>8} GPU")
     for row in rows:
         print(f"{row['rank']:>4} {row['local_rank']:>5}/{row['local_size']:<3} "
-              f"{row['host']:<24} {row['cuda']}")
+              f"{row['host']:<24} {row['pid']:>8} {row['cuda']}")
     print("ranks by node   : " + "; ".join(layout_by_node(rows)))
     return 0
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print what each rank sees: MPI, HDF5, Numba/CUDA, ranks")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_cmd_env)
-    from mpidist.cli import demo, train
+    from mpidist.cli import demo, doctor, train
     from mpidist.cli import tools as tools_cli
     from mpidist.parallel import plan
     from mpidist.run.launch import supervisor
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     tools_cli.add_parsers(sub)
     plan.add_parser(sub)
     demo.add_parser(sub)
+    doctor.add_parser(sub)
     p.subcommands = dict(sub.choices)
     return p
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Call", "add_hook", "begin", "blocked_in", "end", "fail", "hooks", "inside",
-           "last_progress", "pending", "phase", "remove_hook", "run", "set_step", "step_phase",
-           "test_all", "track", "wait", "wait_all"]
+__all__ = ["Call", "add_context_hook", "add_hook", "begin", "blocked_in", "end", "fail", "hooks",
+           "inside", "last_progress", "pending", "phase", "remove_context_hook", "remove_hook",
+           "run", "set_step", "step_phase", "test_all", "track", "wait", "wait_all"]
 
 
 class Call:
@@ -98,12 +98,30 @@ _CTX: list[Any] = [-1, ""]
 # Per thread: the call it is blocked in now (a blocking call, or a wait for a request).
 _INSIDE: dict[int, Call] = {}
 _PROGRESS = [time.monotonic()]
+# Called with no arguments after each set_step and on entering each phase (the flight
+# recorder's test hold); empty in ordinary runs.
+_CONTEXT: list[Callable[[], None]] = []
+
+
+def add_context_hook(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after every :func:`set_step` and on entering every :func:`phase` (it
+    reads them with :func:`step_phase`). Not collective."""
+    if fn not in _CONTEXT:
+        _CONTEXT.append(fn)
+
+
+def remove_context_hook(fn: Callable[[], None]) -> None:
+    """Stop calling ``fn``. Not collective."""
+    if fn in _CONTEXT:
+        _CONTEXT.remove(fn)
 
 
 def set_step(step: int) -> None:
     """The training step that calls from now on record. Not collective."""
     _CTX[0] = int(step)
     _PROGRESS[0] = time.monotonic()
+    for f in _CONTEXT:
+        f()
 
 
 @contextlib.contextmanager
@@ -112,6 +130,8 @@ def phase(name: str) -> Iterator[None]:
     checkpoint, ...); the previous phase afterwards. Not collective."""
     previous, _CTX[1] = _CTX[1], name
     try:
+        for f in _CONTEXT:
+            f()
         yield
     finally:
         _CTX[1] = previous

@@ -363,9 +363,7 @@ def install_kill_points(text: str | None = None) -> list[KillPoint]:
     points = parse_kill_points(text)
     if _KILLER:
         calls.remove_hook(_KILLER[0])
-        remove = getattr(calls, "remove_context_hook", None)
-        if remove is not None:
-            remove(_KILLER[0].context)
+        calls.remove_context_hook(_KILLER[0].context)
         _KILLER.clear()
     if not points:
         return []
@@ -373,7 +371,5 @@ def install_kill_points(text: str | None = None) -> list[KillPoint]:
     if killer.points:
         _KILLER.append(killer)
         calls.add_hook(killer)
-        add = getattr(calls, "add_context_hook", None)
-        if add is not None:
-            add(killer.context)
+        calls.add_context_hook(killer.context)
     return killer.points

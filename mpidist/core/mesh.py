@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.core.comms import world
+from mpidist.core import recorder
+from mpidist.core.comms import label, world
 from mpidist.core.topology import NodeMap, node_ids, topology
 
 __all__ = [
@@ -185,6 +186,7 @@ class ProcessMesh:
 
     With node placement, mesh rank r is rank ``order[r]`` of ``comm`` (``mesh.order``); when
     a tensor-parallel group cannot fit in one node, mesh rank 0 warns once per process.
+    Every rank of a mesh keeps a flight recorder (:mod:`mpidist.core.recorder`).
     """
 
     def __init__(
@@ -198,6 +200,8 @@ class ProcessMesh:
         if nodes is not None and len(nodes) != comm.Get_size():
             raise ValueError(f"nodes has {len(nodes)} entries for {comm.Get_size()} ranks")
         self._groups: dict[tuple[str, ...], Any] = {}
+        recorder.install()  # every rank of a mesh keeps a flight recorder
+        recorder.introduce(comm)
         found = nodes if nodes is not None else (
             topology(comm).map.nodes if comm.Get_size() > 1 else (0,))
         hosts = topology(comm).map.hosts if nodes is None and comm.Get_size() > 1 else ()
@@ -208,9 +212,9 @@ class ProcessMesh:
         base = comm
         if order != sorted(order):
             base = comm.Split(0, order.index(comm.Get_rank()))
-        self.comm: Any = base.Create_cart(
+        self.comm: Any = label(base.Create_cart(
             list(self.shape.as_tuple()), periods=[False] * 3, reorder=False
-        )
+        ), "mesh")
         if base is not comm:
             base.Free()
         self.rank: int = self.comm.Get_rank()
@@ -254,7 +258,7 @@ class ProcessMesh:
         """
         key = _dims_key(dims)
         if key not in self._groups:
-            self._groups[key] = self.comm.Sub([d in key for d in DIMS])
+            self._groups[key] = label(self.comm.Sub([d in key for d in DIMS]), "+".join(key))
         return self._groups[key]
 
     def group_size(self, dims: str | Iterable[str]) -> int:

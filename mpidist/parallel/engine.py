@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.comms import world
+from mpidist.core import recorder
+from mpidist.core.comms import phase, set_step, world
 from mpidist.core.failure import ProcessFailure
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
@@ -300,13 +301,16 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         model = self._resolve(model)
         before = self.hook.bytes_sent
         self.step_entry = (self.step_count, None if self.sampler is None else self.sampler.step)
+        set_step(self.step_count + 1)  # what MPI calls record (the flight recorder)
         try:
-            red = self.redundancy
-            if red is not None and not red.ready(self, self.step_count + 1):
-                red.establish(self, self.step_count + 1)
-            loss = self.hook.step(self, model, batch)
+            with phase("optimizer"):  # forward_backward marks its own phases inside
+                red = self.redundancy
+                if red is not None and not red.ready(self, self.step_count + 1):
+                    red.establish(self, self.step_count + 1)
+                loss = self.hook.step(self, model, batch)
         except ProcessFailure as lost:
             raise self.recover(lost) from lost
+        recorder.step_done(self.step_count)
         self.bytes_sent_last_step = self.hook.bytes_sent - before
         return loss
 
@@ -347,7 +351,8 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         pipeline schedule when pp > 1), gradients synchronised during the last one;
         ``progress`` is called after each micro-batch. Returns this rank's share of the
         loss (0.0 off the last pipeline stage). Collective over the mesh."""
-        b, normalizer = self._check_batch(model, x, y)
+        with phase("forward"):
+            b, normalizer = self._check_batch(model, x, y)
         m = self.config.micro_batches
         cuts = split_points(b, m)
         model.zero_grad()
@@ -361,9 +366,11 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         local_loss = 0.0
         for i in range(m):
             with model.sync_context(last=i == m - 1):
-                out = model.forward(xs[i], ctx=i)
-                local_loss += loss.forward(out, ys[i], normalizer=normalizer, ctx=i)
-                model.backward(loss.backward(ctx=i), ctx=i)
+                with phase("forward"):
+                    out = model.forward(xs[i], ctx=i)
+                    local_loss += loss.forward(out, ys[i], normalizer=normalizer, ctx=i)
+                with phase("backward"):
+                    model.backward(loss.backward(ctx=i), ctx=i)
             if progress is not None:
                 progress()
         return local_loss
@@ -375,28 +382,34 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         micro-batch losses on the last stage, 0.0 on the others."""
         m = len(inputs)
 
+        ahead = "forward" if train else "evaluation"
+
         def forward(x: Any, i: int, chunk: int | None = None) -> Any:
-            return model.forward(x, ctx=i, chunk=chunk)
+            with phase(ahead):
+                return model.forward(x, ctx=i, chunk=chunk)
 
         def backward(dy: Any, i: int, chunk: int | None = None) -> Any:
             # every chunk's last backward is micro-batch m - 1 (chunk 0's the step's last)
-            with model.sync_context(last=(i == m - 1)):
+            with model.sync_context(last=(i == m - 1)), phase("backward"):
                 return model.backward(dy, ctx=i, chunk=chunk)
 
         weight: Callable[[int], None] | None = None
         if self.schedule == "zero-bubble":  # B now (no sync needed: W add the gradients,
             # and finish_gradient_sync reduces them after the step's last W)
             def backward(dy: Any, i: int) -> Any:  # noqa: F811
-                return model.backward_input(dy, ctx=i)
+                with phase("backward"):
+                    return model.backward_input(dy, ctx=i)
 
             def weight(i: int) -> None:
-                model.backward_weight(ctx=i)
+                with phase("backward"):
+                    model.backward_weight(ctx=i)
 
         runner = PipelineStage(forward, backward, comm=model.pp_comm,
                                loss=self._stage_loss(model), backward_weight=weight,
                                virtual_stages=len(model.chunks), xp=model.xp)
-        total = runner.run(inputs, targets, schedule=self.schedule, normalizer=normalizer,
-                           train=train)
+        with phase("pipeline" if train else "evaluation"):  # the messages between stages
+            total = runner.run(inputs, targets, schedule=self.schedule,
+                               normalizer=normalizer, train=train)
         if train:
             model.last_pipeline_stats = runner.stats
         else:  # evaluation keeps no activations
@@ -494,9 +507,14 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         sampler seeded with ``seed``), so validation losses are comparable across runs and
         world sizes.
         """
+        with phase("evaluation"):
+            return self._evaluate(self._resolve(model), data, batches=batches,
+                                  global_batch_size=global_batch_size, seed=seed)
+
+    def _evaluate(self, model: ShardedModel, data: Any, *, batches: int,
+                  global_batch_size: int, seed: int) -> float:
         from mpidist.data import GlobalBatchSampler
 
-        model = self._resolve(model)
         model.sync_compute_parameters()
         sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
         loss = model.stage_loss(self.loss)

@@ -84,6 +84,8 @@ class TrainConfig:
     bucket_mb: float = 25.0
     min_workers: int = 1
     max_workers: int = 1024
+    hang_timeout: float = 300.0
+    hang_abort: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -125,6 +127,9 @@ class TrainConfig:
         if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
             raise ValueError(f"lr_decay_steps={self.lr_decay_steps!r} must be a positive "
                              "integer")
+        if self.hang_timeout < 0:
+            raise ValueError(f"hang_timeout={self.hang_timeout!r} must be >= 0 seconds "
+                             "(0: no timeout)")
         if not 0 < self.topk_ratio <= 1:
             raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1]")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -299,6 +304,12 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--bucket-mb", float, None, "gradient bucket size in MiB"),
     ("--min-workers", int, None, "fewest workers of --strategy elastic"),
     ("--max-workers", int, None, "most workers of --strategy elastic"),
+    ("--hang-timeout", float, None,
+     "seconds a rank may stay inside one MPI call, or make no progress at all, before its "
+     "flight recorder is dumped into OUT/hang (read by mpidist doctor OUT); the job goes "
+     "on; 0: never"),
+    ("--hang-abort", "store_const", None,
+     "after dumping for a hang, end the job (MPI_Abort) instead of only reporting"),
 ]
 
 

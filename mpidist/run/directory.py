@@ -10,13 +10,15 @@ import json
 import os
 from typing import Any
 
-__all__ = ["JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "drop_rows_after", "inspect_out",
+__all__ = ["HANG_DIR", "JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "drop_rows_after", "inspect_out",
            "remove_run_outputs"]
 
 #: The run's log: rank 0's messages and the traceback of a failing rank.
 LOG_NAME = "train.log"
 #: Files a run writes next to its checkpoints.
 RUN_OUTPUTS = ("metrics.jsonl", "events.jsonl", "summary.json", "loss.png", LOG_NAME)
+#: Where the flight recorder of every rank dumps (``mpidist doctor OUT`` reads it).
+HANG_DIR = "hang"
 #: The files that get one row per step or event.
 JSONL_FILES = ("metrics.jsonl", "events.jsonl")
 
@@ -97,8 +99,9 @@ def drop_rows_after(path: str, step: int) -> int:
 
 
 def remove_run_outputs(out: str) -> list[str]:
-    """Delete the checkpoints, the ``latest`` pointer and the run outputs of ``out``
-    (``--overwrite``); the names removed. Not collective (rank 0 calls it)."""
+    """Delete the checkpoints, the ``latest`` pointer, the run outputs and the
+    flight-recorder dumps of ``out`` (``--overwrite``); the names removed. Not collective
+    (rank 0 calls it)."""
     from mpidist.checkpoint import LATEST, list_checkpoints
 
     names = [os.path.basename(p) for p in list_checkpoints(out)]
@@ -106,4 +109,13 @@ def remove_run_outputs(out: str) -> list[str]:
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, name))
+    hang = os.path.join(out, HANG_DIR)  # an earlier run's flight-recorder dumps
+    if os.path.isdir(hang):
+        for name in os.listdir(hang):
+            if name.startswith(("rank-", "spawned-")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(hang, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(hang)
+            names.append(HANG_DIR + "/")
     return names

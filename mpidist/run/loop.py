@@ -7,7 +7,9 @@ preemption (:mod:`mpidist.run.preempt`) and elastic resizing (:mod:`mpidist.run.
 Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per step with ``step`` and
 ``loss``, and validation rows), ``events.jsonl`` (start, resume, checkpoint, preempted,
 elastic changes, end), checkpoints ``ckpt-<step>.h5`` with a ``latest`` pointer,
-``loss.png`` and ``summary.json``.
+``loss.png`` and ``summary.json``; ``hang/`` holds each rank's flight-recorder dump when
+the job hangs (``--hang-timeout``), on SIGUSR2, or when it is aborted (``mpidist doctor
+OUT`` reads them; :mod:`mpidist.core.recorder`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core import recorder
 from mpidist.core.comms import phase, world
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
 from mpidist.run.config import TrainConfig, check_output_directory
-from mpidist.run.directory import JSONL_FILES, LOG_NAME, drop_rows_after, remove_run_outputs
+from mpidist.run.directory import (
+    HANG_DIR,
+    JSONL_FILES,
+    LOG_NAME,
+    drop_rows_after,
+    remove_run_outputs,
+)
 from mpidist.run.elastic import ElasticHook, check_global_batch
 from mpidist.run.lock import RunLock
 from mpidist.run.logs import set_run_log, setup_logging
@@ -84,12 +93,18 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
                 "steps": opening.cfg.steps}
     run = None
     failed = True
+    # the flight recorder dumps into OUT/hang (mpidist doctor OUT) while the run lasts, and
+    # after a failure (the abort path dumps too)
+    before = recorder.install(directory=os.path.join(cfg.out, HANG_DIR),
+                              timeout=cfg.hang_timeout, abort=cfg.hang_abort or None)
     try:
         if not joiner:
             set_run_log(os.path.join(cfg.out, LOG_NAME), rank)
+        recorder.introduce(comm)
         run = _Run(opening, comm, joiner)
         summary = run.execute()
         failed = False
+        recorder.install(**before)
         return summary
     finally:
         if run is not None:
@@ -192,7 +207,8 @@ class _Run:
 
         path = opening.state["latest"]
         t0 = time.perf_counter()
-        load_training(path, self.opt, comm=self.job_comm())
+        with phase("checkpoint"):
+            load_training(path, self.opt, comm=self.job_comm())
         self.io_seconds += time.perf_counter() - t0
         step = self.opt.step_count
         if self.is_root():
@@ -278,9 +294,10 @@ class _Run:
         from mpidist.checkpoint.training import save_training
 
         t0 = time.perf_counter()
-        path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
-                             comm=self.job_comm(),
-                             extra={"train_config": dataclasses.asdict(self.cfg)})
+        with phase("checkpoint"):
+            path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
+                                 comm=self.job_comm(),
+                                 extra={"train_config": dataclasses.asdict(self.cfg)})
         dt = time.perf_counter() - t0
         self.io_seconds += dt
         self.last_saved = step

@@ -7,6 +7,9 @@ distributed checkpoints communicate through MPI. docs/torch.md describes the gro
 communicator of exactly their members each, and a second one for calls from other threads),
 completion, mixed backends and errors. The rendezvous is :mod:`mpidist.torch.rendezvous`,
 the operations :mod:`mpidist.torch.process_group`, the tensor side :mod:`mpidist.torch.ops`.
+Every rank keeps a flight recorder (:mod:`mpidist.core.recorder`) from the default group's
+creation on; its hang timeout is at most half the group's (not below 10 s), so that its
+watchdog dumps before the backend's own one ends the job.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpidist.core import comms
+from mpidist.core import comms, recorder
 from mpidist.core.comms import mpi
 from mpidist.run.launch.guard import abort_with
 from mpidist.torch import ops, rendezvous
@@ -26,6 +29,9 @@ from mpidist.torch.process_group import BACKEND, ProcessGroupMPI, live_communica
 
 __all__ = ["BACKEND", "ProcessGroupMPI", "live_communicators", "register", "world_comm"]
 _WORLD: list[Any] = []  # the communicator the next default group is built on, if not WORLD
+# The flight recorder's hang timeout is lowered to half the default group's, not below this
+# (a group that times out sooner is ended by the backend's watchdog, which dumps too).
+_MIN_HANG_TIMEOUT = 10.0
 
 
 def world_comm(comm: Any = None, *, reset: bool = False) -> Any:
@@ -48,7 +54,11 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
         error = None if base.Get_rank() == rank else (
             f"torch gave this process rank {rank} but MPI rank {base.Get_rank()}")
         agree(base, "init_process_group('mpidist')", error)
+        # Every rank keeps a flight recorder whose watchdog dumps before torch's ends the job.
+        recorder.install()
+        recorder.cap_timeout(max(timeout.total_seconds() / 2, _MIN_HANG_TIMEOUT))
         with ops.watch("creating the default group", timeout):
+            recorder.introduce(base)
             comm = base.Dup()
         _abort_on_uncaught_exceptions(base)
     else:
@@ -67,6 +77,9 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPI:
             members.Free()
     with ops.watch("creating a group", timeout):
         side = comm.Dup()
+    name = "torch group" if ranks else "torch default group"  # (in flight-recorder dumps)
+    comms.label(comm, name)
+    comms.label(side, f"{name}, other threads")
     store = getattr(options.store, "underlying_store", options.store)
     group = ProcessGroupMPI(comm, side, base, timeout, store)
     # DCP's async_save and object collectives look for a CPU device among the group's.

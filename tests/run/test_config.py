@@ -55,6 +55,7 @@ def test_toml_accepts_an_int_for_a_float_and_flags_override(tmp_path: Path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"compression": "zip"}, "compression='zip' is not one of"),
     ({"topk_ratio": 0.0}, "topk_ratio=0.0 must be in (0, 1]"),
+    ({"hang_timeout": -1.0}, "hang_timeout=-1.0 must be >= 0 seconds (0: no timeout)"),
     ({"staleness": -1}, "staleness=-1 must be an integer >= 0"),
     ({"zero_stage": 4}, "zero_stage=4 must be 0, 1, 2 or 3"),
     ({"data": "/nonexistent/corpus"}, "data='/nonexistent/corpus': no such file"),

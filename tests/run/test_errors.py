@@ -5,6 +5,7 @@ a preemption names the signal and the ranks exit with the status it prints."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -96,6 +97,14 @@ def test_a_failure_of_one_rank_aborts_with_its_line_first(tmp_path: Path):
     log = (out / "train.log").read_text()
     assert "[rank 1] Traceback (most recent call last):" in log
     assert "[rank 1] RuntimeError: the disk of rank 1 is gone" in log
+    # its flight recorder was dumped before the abort, and the doctor names it
+    dump = json.loads((out / "hang" / "rank-1.json").read_text())
+    assert dump["reason"] == "abort: RuntimeError: the disk of rank 1 is gone"
+    doctor = subprocess.run([sys.executable, "-m", "mpidist.cli", "doctor", str(out)],
+                            capture_output=True, text=True, timeout=60, env=env())
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "aborted: rank 1 (" in doctor.stdout
+    assert "RuntimeError: the disk of rank 1 is gone" in doctor.stdout
 
 
 def test_sigusr1_to_mpiexec_preempts_and_mpiexec_returns_75(tmp_path: Path):

@@ -168,6 +168,22 @@ def test_a_new_run_never_overwrites_another_silently(z1: Path, tmp_path: Path):
     assert [e["event"] for e in rows(run / "events.jsonl")] == ["start", "checkpoint", "end"]
 
 
+def test_overwrite_deletes_an_earlier_runs_flight_recorder_dumps(tmp_path: Path):
+    from mpidist.run.directory import remove_run_outputs
+
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    for name in ("rank-0.json", "rank-0.stacks.txt", "spawned-77.json"):
+        (hang / name).write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert remove_run_outputs(str(tmp_path)) == ["metrics.jsonl", "hang/"]
+    assert os.listdir(tmp_path) == []
+    hang.mkdir()
+    (hang / "notes.txt").write_text("the user's own")  # not a dump: kept, with the folder
+    assert remove_run_outputs(str(tmp_path)) == []
+    assert os.listdir(hang) == ["notes.txt"]
+
+
 def _rank_pids(tag: str) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():

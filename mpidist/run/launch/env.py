@@ -84,6 +84,7 @@ class RuntimeEnvironment:
     local_size: int
     nodes: int
     host: str
+    pid: int  #: this rank's process id (flight-recorder dumps name ranks by host:pid)
     launcher: str
     mpi_library: str
     mpi4py_version: str
@@ -170,6 +171,7 @@ def detect_environment(comm: Any = None) -> RuntimeEnvironment:
         local_size=local_size,
         nodes=int(leaders[0]),
         host=socket.gethostname(),
+        pid=os.getpid(),
         launcher=launcher_from_env()["launcher"],
         mpi_library=MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
         mpi4py_version=mpi4py.__version__,

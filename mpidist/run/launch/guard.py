@@ -27,7 +27,8 @@ __all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error
 
 def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     """Write ``text`` (a traceback) to ``stream`` (default ``sys.stderr``), each line
-    prefixed with this rank, then ``Abort`` ``comm`` with ``code``. Not collective: only
+    prefixed with this rank, dump the flight recorder (:mod:`mpidist.core.recorder`, when
+    installed), then ``Abort`` ``comm`` with ``code``. Not collective: only
     the failing rank acts; MPI ends the others. Does not return."""
     stream = sys.stderr if stream is None else stream
     rank = comm.Get_rank()
@@ -35,6 +36,7 @@ def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     stream.write(rank_prefixed(rank, text))
     stream.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
     stream.flush()
+    _dump_flight_recorder(_headline(text))
     comm.Abort(code)
 
 
@@ -151,7 +153,7 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     within ``MPIDIST_ERROR_WAIT_S`` seconds (after :func:`enable_error_agreement`): rank 0
     prints the line, any rank whose line differs prints its own, and every rank returns
     the status, so the job ends without ``MPI_Abort``. A failure of this rank alone: its
-    line first, then ``Abort`` with the status. Not collective.
+    line first, the flight recorder's dump, then ``Abort`` with the status. Not collective.
     """
     stream = sys.stderr if stream is None else stream
     line, code = one_line(exc), exit_code(exc)
@@ -181,8 +183,26 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     stream.write(f"[rank {rank}] {prog}: error: {line}{more}; aborting the MPI job "
                  f"(exit code {code})\n")
     stream.flush()
+    _dump_flight_recorder(line)
     comm.Abort(code)
     return code  # pragma: no cover - Abort does not return
+
+
+def _headline(text: str) -> str:
+    """The line that says what happened: a traceback's last, else the first."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "aborted"
+    return lines[-1].strip() if lines[0].startswith("Traceback") else lines[0].strip()
+
+
+def _dump_flight_recorder(reason: str) -> None:
+    """This rank's flight recorder into its dump directory before the job is aborted (the
+    others' watchdogs, if they have timed out, dumped theirs already)."""
+    from mpidist.core import recorder
+
+    if recorder.installed():
+        recorder.dump(f"abort: {reason}")
 
 
 def _world() -> Any:

@@ -126,7 +126,14 @@ def test_env_and_demo_under_mpiexec(tmp_path: Path):
     info = json.loads(proc.stdout)
     assert [r["rank"] for r in info["ranks"]] == [0, 1, 2]
     assert {r["size"] for r in info["ranks"]} == {3}
+    assert len({r["pid"] for r in info["ranks"]}) == 3  # one process each (for dumps)
     assert info["launcher_env"]["launcher"] == "openmpi"
+    table = mpirun(3, [sys.executable, "-m", "mpidist.cli", "env"])
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert any(line.split()[:4] == ["rank", "local", "host", "pid"] for line in lines)
+    rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert len(rows) == 3 and len({int(row[3]) for row in rows}) == 3, table.stdout
     proc = mpirun(4, [sys.executable, "-m", "mpidist.cli", "demo", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "demo.json").read_text())
