@@ -462,7 +462,10 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
                  ) -> OptimizationResult:
         """Train for ``steps`` steps on ``data`` (anything with ``len`` and ``batch(idx)``).
 
-        Collective over the dp group. Batches come from a
+        Collective over the dp group. Where a lost rank is recovered from in the job (see
+        ``redundancy``), the survivors redo the interrupted step and go on: the result is
+        the one the run would have had without the failure, and :attr:`model` is the
+        survivors' model. Batches come from a
         :class:`~mpidist.data.GlobalBatchSampler` (given, or made from ``global_batch_size``
         and ``seed``), so the trajectory is the same at every data-parallel size.
         ``callback(step, loss)`` runs after each step on every rank.
@@ -482,6 +485,7 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
             self._data_state = None
         self.sampler = sampler
         result = OptimizationResult()
+        first = self.step_count
 
         class _Record:
             def after_step(self, model: Any, rec: Any) -> None:
@@ -491,6 +495,17 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
                 result.tokens += rec.tokens
                 if callback is not None:
                     callback(rec.step, rec.loss)
+
+            def mesh_changed(self, model: Any, changed: Any) -> None:
+                # a lost rank: the steps after changed.step are redone (and recorded again)
+                drop = max(0, len(result.losses) - (changed.step - first))
+                if drop:
+                    share = result.samples // max(result.steps, 1), \
+                        result.tokens // max(result.steps, 1)
+                    del result.losses[len(result.losses) - drop:]
+                    result.steps -= drop
+                    result.samples -= drop * share[0]
+                    result.tokens -= drop * share[1]
 
         t0 = time.perf_counter()
         run_steps(self, model, data, until=self.step_count + int(steps), sampler=sampler,
