@@ -95,7 +95,7 @@ $(DEPS_STAMP): $(SYSTEM_STAMP) pyproject.toml Makefile
 	  CC=mpicc HDF5_MPI=ON HDF5_DIR=$(HDF5_DIR) $(PY) -m pip install -q --no-binary=h5py \
 	    --no-build-isolation --force-reinstall --no-deps h5py; \
 	fi
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,progress,data]"
 	$(PY) -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI'"
 	@touch $@
 
@@ -239,6 +239,7 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/torch_backend.py; done
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/recorder.py
+	$(BENCH_ENV) $(PY) benchmarks/data.py
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
 # two-level collectives against the link bound, and the planner's two network levels.

@@ -63,6 +63,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A data cache of the session's own (mpidist.data.cache), so that tests neither read
+    a user's cache nor leave entries in it; subprocesses inherit it."""
+    old = os.environ.get("MPIDIST_CACHE_DIR")
+    os.environ["MPIDIST_CACHE_DIR"] = str(tmp_path_factory.mktemp("mpidist-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MPIDIST_CACHE_DIR", None)
+    else:
+        os.environ["MPIDIST_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def fast_simulator():
     """The simulator runs every CUDA thread as a Python thread and polls them all at each
     ``syncthreads``: a GIL switch interval of 0.1 ms instead of 5 ms makes these tests ten

@@ -51,6 +51,9 @@ SMOKE: dict[str, Smoke] = {
         2, ("--steps", "2", "--global-batch", "8"),
         # and the meter's check (exact bytes, not a timing)
         ("bytes/step", "DDP bytes/step = 1.000 x 4 bytes x params")),
+    # prepare against the tokenizers library, training start on token files and on text
+    "data.py": Smoke(
+        0, ("--smallest", "--dir", "{tmp}"), ("x encode_batch", "first step after")),
     "ddp_overhead.py": Smoke(
         2, ("--layers", "2", "--width", "16", "--reps", "2"), ("variant", "x limit")),
     "elastic.py": Smoke(

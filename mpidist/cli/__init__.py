@@ -142,12 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print what each rank sees: MPI, HDF5, Numba/CUDA, ranks")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_cmd_env)
-    from mpidist.cli import demo, doctor, train
+    from mpidist.cli import demo, doctor, prepare, train
     from mpidist.cli import tools as tools_cli
     from mpidist.parallel import plan
     from mpidist.run.launch import supervisor
 
     train.add_parser(sub)
+    prepare.add_parser(sub)
     supervisor.add_parser(sub)
     tools_cli.add_parsers(sub)
     plan.add_parser(sub)

@@ -56,11 +56,35 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_text(checkpoint: str, prompt: str, *, tokens: int = 200, temperature: float = 0.8,
-                top_k: int | None = 40, seed: int = 0) -> str:
-    """Generate text from a checkpoint of ``mpidist train`` (its GPT). Not collective."""
-    from mpidist.checkpoint import read_metadata, read_tensor
+def _codec(path: str, data: dict[str, Any], tokenizer: str | None, vocab: int) -> Any:
+    """What encodes the prompt and decodes the ids: the tokenizer the checkpoint's data
+    had, else ``--tokenizer``; bytes for text data (and checkpoints from before the
+    tokenizer was recorded)."""
     from mpidist.data import TextCorpus
+    from mpidist.data.tokenizer import Tokenizer, load_tokenizer
+
+    record = data.get("tokenizer") if isinstance(data, dict) else None
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    elif record and record.get("json"):
+        tok = Tokenizer.from_record(record)
+    elif data.get("kind") in ("megatron", "nanogpt"):
+        raise ValueError(f"{path}: its data ({data['kind']}'s format) named no tokenizer: "
+                         "give --tokenizer tokenizer.json (the one the data was made with)")
+    else:
+        return TextCorpus
+    if tok.vocab_size > vocab:
+        raise ValueError(f"--tokenizer {tokenizer}: vocabulary {tok.vocab_size} is larger than "
+                         f"the model's {vocab}")
+    return tok
+
+
+def sample_text(checkpoint: str, prompt: str, *, tokens: int = 200, temperature: float = 0.8,
+                top_k: int | None = 40, seed: int = 0, tokenizer: str | None = None) -> str:
+    """Generate text from a checkpoint of ``mpidist train`` (its GPT), encoding and
+    decoding with the tokenizer of the data it was trained on (``tokenizer``: a
+    ``tokenizer.json`` or ``bytes``, for data that named none). Not collective."""
+    from mpidist.checkpoint import read_metadata, read_tensor
     from mpidist.nn import GPT, GPTConfig
 
     path = _resolve(checkpoint)
@@ -68,6 +92,8 @@ def sample_text(checkpoint: str, prompt: str, *, tokens: int = 200, temperature:
     train = attrs.get("extra", {}).get("train_config")
     if not train:
         raise ValueError(f"{path!r} was not written by `mpidist train` (no train_config)")
+    codec = _codec(path, attrs.get("extra", {}).get("data") or {}, tokenizer,
+                   int(train["vocab_size"]))
     cfg = GPTConfig(vocab_size=train["vocab_size"], block_size=train["block_size"],
                     n_layer=train["n_layer"], n_head=train["n_head"], n_embd=train["n_embd"])
     model = GPT(cfg)
@@ -75,16 +101,17 @@ def sample_text(checkpoint: str, prompt: str, *, tokens: int = 200, temperature:
     params, _ = model.build(dtype)
     for name, view in params.views().items():
         view[...] = read_tensor(path, f"params/{name}")
-    ids = TextCorpus.encode(prompt)
+    ids = codec.encode(prompt)
     if ids.size == 0:
         raise ValueError("--prompt must not be empty")
     out = model.generate(ids[None, :], tokens, temperature=temperature, seed=seed, top_k=top_k)
-    return TextCorpus.decode(out[0])
+    return codec.decode(out[0])
 
 
 def _sample(args: argparse.Namespace) -> int:
     text = sample_text(args.checkpoint, args.prompt, tokens=args.tokens,
-                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                       tokenizer=args.tokenizer)
     sys.stdout.write(text + "\n")
     return 0
 
@@ -116,8 +143,11 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("sample", help="generate text from a checkpoint of `mpidist train`")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint file or run directory")
     p.add_argument("--prompt", required=True, metavar="TEXT")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", metavar="T",
+                   help="tokenizer.json (or bytes) to encode and decode with, for data that "
+                        "named none (Megatron, nanoGPT); default: the data's")
     p.set_defaults(func=_sample)

@@ -10,7 +10,8 @@ record it.
 A corpus given as a path (``--data``) must be text: valid UTF-8 (any language) with at most
 :data:`MAX_CONTROL_FRACTION` control bytes. A file that is not is refused; in a directory,
 such files (``__pycache__/*.pyc``, images, archives) are skipped and counted. ``binary=True``
-takes every byte as it is.
+takes every byte as it is. Such a corpus is never read into memory: it is checked, hashed
+and counted once, in chunks, and memory-mapped (:mod:`mpidist.data.textfiles`).
 
 Tokens are bytes (vocabulary 256). The last :data:`VALIDATION_FRACTION` of the text is the
 validation split. A sample is a window of ``block_size + 1`` bytes starting at a multiple of
@@ -23,17 +24,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import math
 import os
 import sysconfig
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from mpidist.data.sampler import checked_indices, checked_int
+from mpidist.data.sampler import GlobalBatchSampler, checked_indices, checked_int
+from mpidist.data.textfiles import (
+    MAX_CONTROL_FRACTION,
+    VALIDATION_FRACTION,
+    check_text_path,
+    entropy,
+    map_text,
+    split_cut,
+    text_problem,
+)
 
 __all__ = ["MAX_BYTES", "MAX_CONTROL_FRACTION", "STDLIB_FILES", "VALIDATION_FRACTION",
-           "TextCorpus", "check_text_path", "corpus_bytes", "path_bytes", "text_problem"]
+           "TextCorpus", "check_text_path", "corpus_bytes", "text_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +66,7 @@ STDLIB_FILES: tuple[str, ...] = (  # sorted
 #: Cap on the corpus size in bytes.
 MAX_BYTES = 4 * 1024 * 1024
 
-#: Fraction of the text (at its end) held out for validation.
-VALIDATION_FRACTION = 0.1
-
 VOCAB_SIZE = 256
-
-#: Largest fraction of control bytes a text may hold (tab, newline, vertical tab, form feed
-#: and carriage return are not counted; ESC and the other C0 bytes and DEL are).
-MAX_CONTROL_FRACTION = 0.05
-
-_CONTROL = np.zeros(256, dtype=bool)
-_CONTROL[np.r_[0:9, 14:32, 127]] = True  # C0 and DEL, but tab, LF, VT, FF and CR
-_BINARY_HINT = "--data-binary (binary=True) trains on its bytes anyway"
 
 
 @functools.lru_cache(maxsize=4)
@@ -93,78 +92,6 @@ def corpus_bytes(
     return text, tuple(used)
 
 
-def text_problem(data: bytes) -> str | None:
-    """Why ``data`` is not text, or None when it is: not valid UTF-8 (the offset of the first
-    bad byte), or more than :data:`MAX_CONTROL_FRACTION` control bytes. Pure."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return f"not valid UTF-8 at byte {exc.start}"
-    if not data:
-        return None
-    control = float(_CONTROL[np.frombuffer(data, dtype=np.uint8)].mean())
-    if control > MAX_CONTROL_FRACTION:
-        return f"{control:.0%} control bytes"
-    return None
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
-
-
-def path_bytes(path: str, *, binary: bool = False
-               ) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
-    """The bytes of a text file, or of every text file under a directory (sorted relative
-    paths, joined by newlines, hidden files and directories skipped); the files used; the
-    files skipped as not text (:func:`text_problem`). Not collective.
-
-    Raises ValueError naming ``path`` when it does not exist, when it is a file that is not
-    text, or when a directory holds no text file; with ``binary=True`` every file is used
-    as it is. Read once per process (as :func:`corpus_bytes`): the settings' check and both
-    splits of :class:`TextCorpus` share the reading.
-    """
-    return _path_bytes(path, bool(binary))
-
-
-@functools.lru_cache(maxsize=4)
-def _path_bytes(path: str, binary: bool) -> tuple[bytes, tuple[str, ...], tuple[str, ...]]:
-    # One cache key for path_bytes(p) and path_bytes(p, binary=False).
-    if os.path.isfile(path):
-        data = _read(path)
-        problem = None if binary else text_problem(data)
-        if problem is not None:
-            raise ValueError(f"data={path!r} is not text ({problem}); {_BINARY_HINT}")
-        return data, (os.path.basename(path),), ()
-    if not os.path.isdir(path):
-        raise ValueError(f"data={path!r}: no such file or directory")
-    rels = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        rels += [os.path.relpath(os.path.join(root, n), path) for n in names
-                 if not n.startswith(".")]
-    parts, used, skipped = [], [], []
-    for rel in sorted(rels):
-        data = _read(os.path.join(path, rel))
-        if not binary and text_problem(data) is not None:
-            skipped.append(rel)
-            continue
-        parts.append(data)
-        used.append(rel)
-    if not rels:
-        raise ValueError(f"data={path!r}: the directory holds no files")
-    if not parts:
-        raise ValueError(f"data={path!r}: none of its {len(skipped)} file(s) is text (e.g. "
-                         f"{skipped[0]}); {_BINARY_HINT}")
-    return b"\n".join(parts), tuple(used), tuple(skipped)
-
-
-def check_text_path(path: str) -> None:
-    """Raise the ValueError of :func:`path_bytes` if ``path`` is no text corpus. Not
-    collective; reads the files (every rank finds the same)."""
-    path_bytes(path)
-
-
 class TextCorpus:
     """Byte-level language-modelling samples from the standard-library corpus.
 
@@ -173,8 +100,8 @@ class TextCorpus:
         split: ``"train"`` or ``"validation"`` (``"val"`` is accepted).
         max_bytes: cap on the whole corpus (both splits).
         path: a text file, or a directory of files, to use instead of the standard-library
-            corpus (read whole, byte-level, split the same way). It must be text (files of a
-            directory that are not are skipped, listed in :attr:`skipped`).
+            corpus (memory-mapped, byte-level, split the same way). It must be text (files of
+            a directory that are not are skipped, listed in :attr:`skipped`).
         binary: use the bytes of ``path`` whatever they are.
 
     ``len(corpus)`` samples; ``corpus[i] -> (x, y)`` 1-D int64 arrays;
@@ -195,17 +122,24 @@ class TextCorpus:
         self.block_size = block_size
         self.split = split
         self.skipped: tuple[str, ...] = ()
+        self.path = path
         if path is None:
             text, self.files = corpus_bytes(STDLIB_FILES, int(max_bytes))
+            self.fingerprint = hashlib.sha256(text).hexdigest()
+            data = np.frombuffer(text, dtype=np.uint8)
+            self._train_counts = np.bincount(data[:split_cut(len(data))], minlength=VOCAB_SIZE)
         else:
-            text, self.files, self.skipped = path_bytes(path, binary=binary)
+            scan, data = map_text(path, bool(binary))
+            self.files, self.skipped = scan.files, scan.skipped
+            self.fingerprint = scan.sha256
+            self._train_counts = np.asarray(scan.train_counts, dtype=np.int64)
+            text = data
             if self.skipped and split == "train":
                 log.info("data %s: %d text file(s) used, %d skipped as not text (e.g. %s)",
                          path, len(self.files), len(self.skipped), self.skipped[0])
+        #: the corpus: bytes (the embedded one) or a read-only uint8 memory map (a path)
         self.text = text
-        self.fingerprint = hashlib.sha256(text).hexdigest()
-        data = np.frombuffer(text, dtype=np.uint8)
-        self._cut = cut = int(math.floor(len(data) * (1.0 - VALIDATION_FRACTION)))
+        self._cut = cut = split_cut(len(data))
         self.split_start, self.split_stop = (0, cut) if split == "train" else (cut, len(data))
         self._all = data
         self.tokens = data[self.split_start : self.split_stop]
@@ -243,9 +177,17 @@ class TextCorpus:
         The cross-entropy of the best context-free model: a language model that has learned
         anything beats it on validation data.
         """
-        counts = np.bincount(self._all[:self._cut], minlength=VOCAB_SIZE).astype(np.float64)
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
+        return entropy(self._train_counts)
+
+    def sampler(self, global_batch_size: int, seed: int = 0) -> GlobalBatchSampler:
+        """The training sampler of this corpus: every sample once per epoch, in an order
+        drawn from ``(seed, epoch)``."""
+        return GlobalBatchSampler(self._n, global_batch_size, seed=seed)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records about the data: its kind, hash and tokenizer (bytes)."""
+        return {"kind": "text", "hash": f"sha256:{self.fingerprint}",
+                "tokenizer": {"name": "text-bytes", "vocab_size": VOCAB_SIZE, "eod_id": None}}
 
     @staticmethod
     def encode(text: str) -> np.ndarray:

@@ -7,6 +7,14 @@ global batch: ``B // n`` samples, one more on the first ``B % n`` ranks (:func:`
 so concatenating the ranks' slices in rank order gives back the global batch exactly, whatever
 ``n`` is, and no sample is dropped or repeated when ``n`` does not divide ``B``. Nothing here
 communicates.
+
+Up to :data:`PERMUTATION_LIMIT` samples an epoch's order is NumPy's permutation; above it the
+order is a keyed pseudo-random permutation computed index by index (a Feistel network over
+``[0, n)`` with cycle walking, keyed by ``(seed, epoch)``), so that a data set of billions of
+samples costs no memory. Either way it is a pure function of ``(seed, epoch)``.
+
+:class:`WindowSampler` draws each global batch with replacement from ``(seed, step)`` alone
+(nanoGPT's way): token files use it, with a sample index being a window's start position.
 """
 
 from __future__ import annotations
@@ -16,8 +24,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GlobalBatchSampler", "check_local_sizes", "checked_indices", "checked_int",
-           "micro_batches", "split_points"]
+__all__ = ["PERMUTATION_LIMIT", "GlobalBatchSampler", "WindowSampler", "check_local_sizes",
+           "checked_indices", "checked_int", "feistel_permute", "micro_batches", "split_points"]
+
+#: Largest data set whose epoch order is a materialised permutation (8 bytes per sample);
+#: larger ones use :func:`feistel_permute`, which needs no memory.
+PERMUTATION_LIMIT = 1 << 20
+
+_FEISTEL_ROUNDS = 6
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def checked_int(value: object, what: str, minimum: int = 0) -> int:
@@ -78,6 +93,46 @@ def micro_batches(indices: np.ndarray, m: int) -> list[np.ndarray]:
     return [indices[cuts[i]:cuts[i + 1]] for i in range(m)]
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def feistel_permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """Images of ``positions`` (integers in ``[0, n)``) under a keyed bijection of
+    ``[0, n)``: a balanced Feistel network on the smallest even number of bits that holds
+    ``n``, applied again to any image that falls outside ``[0, n)`` (cycle walking, at most a
+    few times on average since the domain is under ``4 n``). ``keys``: one uint64 per round.
+    Pure; O(len(positions)) time and memory."""
+    n = checked_int(n, "n", 1)
+    x = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    if n == 1:
+        return np.zeros(x.shape, dtype=np.int64)
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits & 1
+    half = np.uint64(bits // 2)
+    mask = np.uint64((1 << (bits // 2)) - 1)
+    keys = np.asarray(keys, dtype=np.uint64)
+
+    def rounds(v: np.ndarray) -> np.ndarray:
+        left, right = v >> half, v & mask
+        with np.errstate(over="ignore"):
+            for k in keys:
+                left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << half) | right
+
+    out = rounds(x)
+    bad = out >= np.uint64(n)
+    while bad.any():
+        out[bad] = rounds(out[bad])
+        bad = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
 class GlobalBatchSampler:
     """Global batches of sample indices that do not depend on the number of ranks.
 
@@ -133,9 +188,28 @@ class GlobalBatchSampler:
         """The epoch global step ``step`` belongs to."""
         return checked_int(step, "step") // self.steps_per_epoch
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        """Order in which epoch ``epoch`` visits the samples."""
+    def _lazy(self) -> bool:
+        return self.shuffle and self.n_samples > PERMUTATION_LIMIT
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        seq = np.random.SeedSequence([self.seed, epoch])
+        return seq.generate_state(_FEISTEL_ROUNDS, dtype=np.uint64)
+
+    def order(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The samples at ``positions`` (in ``[0, n_samples)``) of epoch ``epoch``'s order:
+        ``permutation(epoch)[positions]``, without the whole permutation above
+        :data:`PERMUTATION_LIMIT` samples."""
         epoch = checked_int(epoch, "epoch")
+        if self._lazy():
+            return feistel_permute(positions, self.n_samples, self._keys(epoch))
+        return np.take(self.permutation(epoch), positions)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Order in which epoch ``epoch`` visits the samples (materialised: 8 bytes per
+        sample, also above :data:`PERMUTATION_LIMIT`; :meth:`order` gives a part)."""
+        epoch = checked_int(epoch, "epoch")
+        if self._lazy():
+            return self.order(epoch, np.arange(self.n_samples, dtype=np.int64))
         if epoch != self._perm_epoch:
             if self.shuffle:
                 rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
@@ -150,9 +224,11 @@ class GlobalBatchSampler:
         step = checked_int(step, "step")
         spe = self.steps_per_epoch
         epoch, k = divmod(step, spe)
-        perm = self.permutation(epoch)
         b = self.global_batch_size
         lo, hi = k * b, (k + 1) * b
+        if self._lazy():
+            return self.order(epoch, np.arange(lo, hi, dtype=np.int64) % self.n_samples)
+        perm = self.permutation(epoch)
         if hi <= self.n_samples:
             return perm[lo:hi].copy()
         # Last batch with drop_last=False: wrap around within the epoch's permutation.
@@ -252,3 +328,53 @@ class GlobalBatchSampler:
             f"{self.global_batch_size}, seed={self.seed}, drop_last={self.drop_last}, "
             f"step={self.step})"
         )
+
+
+class WindowSampler(GlobalBatchSampler):
+    """Global batches drawn with replacement: step ``s``'s ``B`` samples are uniform integers
+    in ``[0, n_samples)`` from ``SeedSequence([seed, s])`` (nanoGPT's way of sampling a token
+    stream: no permutation of billions of positions, and resuming needs only the step).
+
+    The same interface as :class:`GlobalBatchSampler` (each data-parallel rank's slice,
+    ``state_dict``); an "epoch" is ``n_samples // B`` steps, for the record only. Pure, not
+    collective.
+    """
+
+    def __init__(self, n_samples: int, global_batch_size: int, seed: int = 0) -> None:
+        n = checked_int(n_samples, "n_samples")
+        if n == 0:
+            raise ValueError("n_samples=0: the dataset is empty")
+        super().__init__(max(n, checked_int(global_batch_size, "global_batch_size")),
+                         global_batch_size, seed, drop_last=True)
+        self.n_samples = n
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """``n_samples // B`` steps (at least 1): a nominal epoch."""
+        return max(1, self.n_samples // self.global_batch_size)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sample indices of global step ``step``: drawn with replacement from ``(seed,
+        step)``."""
+        step = checked_int(step, "step")
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, step]))
+        return rng.integers(0, self.n_samples, size=self.global_batch_size, dtype=np.int64)
+
+    def permutation(self, epoch: int) -> np.ndarray:  # pragma: no cover - not meaningful
+        raise TypeError("a WindowSampler draws with replacement: it has no permutation")
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`GlobalBatchSampler.state_dict`, with ``replacement: True``."""
+        return {**super().state_dict(), "replacement": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``'s step; ValueError if it came from a sampler without
+        replacement or another run shape."""
+        if not state.get("replacement", False):
+            raise ValueError("sampler state is of a sampler without replacement (a text "
+                             "corpus); this run samples a token file with replacement")
+        super().load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return (f"WindowSampler(n_samples={self.n_samples}, global_batch_size="
+                f"{self.global_batch_size}, seed={self.seed}, step={self.step})")

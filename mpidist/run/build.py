@@ -86,17 +86,44 @@ def make_strategy(cfg: TrainConfig, comm: Any) -> Any:
 
 
 def make_model(cfg: TrainConfig) -> Any:
-    """The GPT of ``cfg`` (unwrapped). Not collective."""
+    """The GPT of ``cfg`` (unwrapped; its vocabulary the data's when ``cfg`` gives none).
+    Not collective."""
     from mpidist.nn import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else cfg.data_vocab()
+    return GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
 
 
-def make_data(cfg: TrainConfig) -> tuple[Any, Any]:
-    """The train and validation splits: ``--data PATH`` or the embedded corpus."""
-    from mpidist.data import TextCorpus
+def make_data(cfg: TrainConfig, comm: Any = None) -> tuple[Any, Any]:
+    """The train and validation splits: the embedded corpus, a text ``--data``
+    (:class:`~mpidist.data.TextCorpus`) or a token file (:mod:`mpidist.data.tokens`).
 
-    return (TextCorpus(cfg.block_size, split="train", path=cfg.data, binary=cfg.data_binary),
-            TextCorpus(cfg.block_size, split="validation", path=cfg.data,
-                       binary=cfg.data_binary))
+    Collective over ``comm`` for a token file (``--data-verify`` checks its hash between the
+    ranks; a Megatron or nanoGPT file is hashed between them on first use); None: every
+    process alone. Raises the same ValueError on every rank when the data holds an id
+    outside ``cfg.vocab_size``.
+    """
+    from mpidist.data import TextCorpus
+    from mpidist.data.tokens import describe_data, largest_id, open_token_data
+
+    info = None if cfg.data is None else describe_data(cfg.data, binary=cfg.data_binary)
+    if info is None or not info.is_tokens:
+        return (TextCorpus(cfg.block_size, split="train", path=cfg.data,
+                           binary=cfg.data_binary),
+                TextCorpus(cfg.block_size, split="validation", path=cfg.data,
+                           binary=cfg.data_binary))
+    val = None if cfg.val_data is None else describe_data(cfg.val_data)
+    if cfg.data_verify:
+        from mpidist.data.tokenfile import verify_token_file
+
+        for one in (info, val):
+            if one is not None and one.kind == "tokens":
+                verify_token_file(one.path, comm=comm)
+    train, valid = open_token_data(info, cfg.block_size, val=val, comm=comm)
+    vocab = cfg.data_vocab()
+    top = max(largest_id(train), largest_id(valid))
+    if top >= vocab:
+        raise ValueError(f"--data {cfg.data} holds token id {top}, outside the vocabulary "
+                         f"of {vocab} (--vocab-size)")
+    return train, valid

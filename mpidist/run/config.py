@@ -72,9 +72,11 @@ class TrainConfig:
     n_head: int = 4
     n_embd: int = 128
     block_size: int = 64
-    vocab_size: int = 256
+    vocab_size: int | None = None
     data: str | None = None
     data_binary: bool = False
+    val_data: str | None = None
+    data_verify: bool = False
     checkpoint_interval: int = 200
     keep: int = 3
     resume: bool | str = False
@@ -120,7 +122,7 @@ class TrainConfig:
                              f"{COMPRESSION_METHODS}")
         for name in _POSITIVE:
             v = getattr(self, name)
-            if v < (0 if name == "steps" else 1):
+            if v is not None and v < (0 if name == "steps" else 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         for name in ("checkpoint_interval", "eval_interval", "staleness", "warmup_steps"):
             v = getattr(self, name)
@@ -138,10 +140,6 @@ class TrainConfig:
             raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1]")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
-        if self.vocab_size < 256:
-            raise ValueError(
-                f"vocab_size={self.vocab_size} is smaller than the 256 byte values of the corpus"
-            )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not self.lr > 0:
@@ -149,12 +147,39 @@ class TrainConfig:
         if self.global_batch < self.micro_batches:
             raise ValueError(f"--global-batch {self.global_batch} is smaller than "
                              f"--micro-batches {self.micro_batches}")
-        if self.data is not None and not os.path.exists(self.data):
-            raise ValueError(f"data={self.data!r}: no such file or directory")
-        if self.data is not None and not self.data_binary:
-            from mpidist.data.corpus import check_text_path
+        self.data_vocab()  # the data is checked (and its vocabulary) before anything runs
 
-            check_text_path(self.data)  # a binary file is refused before anything runs
+    def data_vocab(self) -> int:
+        """The model's vocabulary: ``vocab_size``, or the data's (256 for text, the
+        tokenizer's for a token file). Reads the data's header, not the data. Raises
+        ValueError when ``--data`` or ``--val-data`` is unusable, when a vocabulary is
+        needed and not given (Megatron's and nanoGPT's files name none), or when
+        ``vocab_size`` is smaller than the data's."""
+        from mpidist.data.tokens import describe_data
+
+        info = None if self.data is None else describe_data(self.data,
+                                                            binary=self.data_binary)
+        if self.val_data is not None:
+            if info is None or not info.is_tokens:
+                raise ValueError(f"--val-data {self.val_data} needs a token file as --data "
+                                 "(text is split by itself)")
+            if not describe_data(self.val_data).is_tokens:
+                raise ValueError(f"--val-data {self.val_data}: not a token file")
+        have = 256 if info is None else info.vocab_size
+        if have is None:
+            if self.vocab_size is None:
+                raise ValueError(f"--data {self.data} ({info.kind}'s format) names no "
+                                 "tokenizer: give its vocabulary with --vocab-size (GPT-2's "
+                                 "is 50257)")
+            return self.vocab_size
+        if self.vocab_size is None:
+            return have
+        if self.vocab_size < have:
+            what = "the 256 byte values of the corpus" if have == 256 and (
+                info is None or not info.is_tokens) else \
+                f"the vocabulary of {self.data}'s tokenizer ({have})"
+            raise ValueError(f"vocab_size={self.vocab_size} is smaller than {what}")
+        return self.vocab_size
 
     @classmethod
     def from_sources(cls, toml: dict[str, Any], flags: dict[str, Any]) -> TrainConfig:
@@ -288,12 +313,21 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--n-head", int, None, "attention heads"),
     ("--n-embd", int, None, "embedding width"),
     ("--block-size", int, None, "tokens per sample"),
-    ("--vocab-size", int, None, "vocabulary (>= 256: tokens are bytes)"),
+    ("--vocab-size", int, None,
+     "vocabulary (none: the data's: 256 for text, the tokenizer's for a token file; a "
+     "larger one rounds up; needed for Megatron and nanoGPT files)"),
     ("--data", str, None,
-     "train on this text file or directory of files, byte-level; none: the embedded corpus. "
-     "It must be text (UTF-8, few control bytes); in a directory, other files are skipped"),
+     "train on a token file (mpidist prepare's data.h5, Megatron's PREFIX of PREFIX.bin + "
+     "PREFIX.idx, nanoGPT's train.bin) or on a text file or directory of files, "
+     "byte-level; none: the embedded corpus. Text must be UTF-8 with few control bytes; "
+     "in a directory, other files are skipped"),
     ("--data-binary", "store_const", None,
      "train on the bytes of --data even if they are not text"),
+    ("--val-data", str, None,
+     "validation token file (none: documents held out of --data, or nanoGPT's val.bin)"),
+    ("--data-verify", "store_const", None,
+     "check the token file's content hash before training (reads it once, split over the "
+     "ranks)"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
     ("--keep", int, None, "checkpoints to keep"),
     ("--resume", "resume", None,

@@ -53,6 +53,7 @@ from mpidist.run.preempt import (
     signal_name,
 )
 from mpidist.run.recovery import RunRecovery
+from mpidist.run.resume import check_data_hash
 
 __all__ = ["EXIT_PREEMPTED", "run_training"]
 
@@ -164,11 +165,13 @@ class _Run:
         t_setup = time.perf_counter()
         self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
         check_global_batch(cfg, self.model.dp_size)
-        self.train_data, self.val_data = make_data(cfg)
-        from mpidist.data import GlobalBatchSampler
-
-        self.opt.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch,
-                                              seed=cfg.seed)
+        # Elastic workers join mid-run, when the others are not there to share the work.
+        self.train_data, self.val_data = make_data(cfg, None if self.elastic else self.comm)
+        self.opt.sampler = self.train_data.sampler(cfg.global_batch, seed=cfg.seed)
+        if self.opening.mode == "resume":
+            check_data_hash(self.opening.state.get("data_hash"),
+                            self.train_data.identity(), cfg.data,
+                            os.path.basename(self.opening.state["latest"]))
         if not self.joiner:
             start = self._maybe_resume()
             self._start(start)
@@ -311,7 +314,8 @@ class _Run:
             with phase("checkpoint"):
                 path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
                                      comm=self.job_comm(),
-                                     extra={"train_config": dataclasses.asdict(self.cfg)})
+                                     extra={"train_config": dataclasses.asdict(self.cfg),
+                                            "data": self.train_data.identity()})
         except ProcessFailure as lost:  # some ranks may be inside MPI-IO: no recovery here
             raise UnrecoverableFailure(
                 f"lost a rank during the checkpoint of step {step} ({lost}); in-job recovery "

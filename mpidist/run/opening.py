@@ -92,11 +92,13 @@ def _rank0_look(cfg: TrainConfig, restart: bool) -> tuple[dict[str, Any], RunLoc
 
 
 def _fresh(cfg: TrainConfig) -> TrainConfig:
-    """A new run's settings as they are stored: the schedule's horizon and the data's
-    absolute path fixed now, so that a resume from elsewhere finds them."""
+    """A run's settings as they are stored: the schedule's horizon, the vocabulary (the
+    data's when not given) and the data's absolute paths fixed now, so that a resume from
+    elsewhere finds them."""
     return dataclasses.replace(
-        cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps,
-        data=os.path.abspath(cfg.data) if cfg.data else None)
+        cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps, vocab_size=cfg.data_vocab(),
+        data=os.path.abspath(cfg.data) if cfg.data else None,
+        val_data=os.path.abspath(cfg.val_data) if cfg.val_data else None)
 
 
 def open_run(cfg: TrainConfig, comm: Any, given: set[str], *, joiner: bool = False

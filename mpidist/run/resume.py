@@ -16,11 +16,14 @@ from typing import Any
 
 from mpidist.run.config import TrainConfig
 
-__all__ = ["CADENCE", "FIXED", "LAYOUT", "TUNABLE", "NothingToDo", "decide_start",
-           "flag", "resolve_settings"]
+__all__ = ["BY_HASH", "CADENCE", "FIXED", "LAYOUT", "TUNABLE", "NothingToDo",
+           "check_data_hash", "decide_start", "flag", "resolve_settings"]
 
 FIXED = ("dtype", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "optimizer",
          "global_batch", "seed", "data")
+#: Settings restored from the checkpoint but not compared as values: the data is compared by
+#: its content hash once it is open (the same data may have moved).
+BY_HASH = ("data",)
 TUNABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay",
            "max_grad_norm", "precision")
 LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stages",
@@ -28,7 +31,7 @@ LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stage
           "topk_ratio", "powersgd_rank", "staleness", "bucket_mb", "min_workers",
           "max_workers")
 CADENCE = ("steps", "checkpoint_interval", "keep", "eval_interval", "eval_batches",
-           "data_binary")
+           "data_binary", "val_data", "data_verify")
 
 
 class NothingToDo(Exception):  # noqa: N818 - not an error: the run is already there
@@ -43,8 +46,8 @@ def flag(name: str, value: Any) -> str:
 
 
 def _same(name: str, a: Any, b: Any) -> bool:
-    if name == "data" and a is not None and b is not None:
-        return os.path.realpath(str(a)) == os.path.realpath(str(b))
+    if name in BY_HASH:
+        return True
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) \
             and not isinstance(a, bool) and not isinstance(b, bool):
         return float(a) == float(b)
@@ -126,10 +129,30 @@ def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
     notes = [f"{flag(k, getattr(cfg, k))} (the checkpoint was trained with "
              f"{flag(k, stored[k])})" for k in TUNABLE
              if k in given and k in stored and not _same(k, getattr(cfg, k), stored[k])]
-    new = dataclasses.replace(cfg, **values)
+    try:
+        new = dataclasses.replace(cfg, **values)
+    except ValueError as exc:
+        if values.get("data") is None:
+            raise
+        raise ValueError(f"{exc} (the data checkpoint {path} was trained on; give --data "
+                         "where it is now)") from None
     step = int(state.get("step") or 0)
     if new.steps <= step:
         raise NothingToDo(
             f"{os.path.basename(path)} in {cfg.out} is at step {step} and --steps is "
             f"{new.steps}: nothing to do (give a larger --steps to train further)")
     return new, notes
+
+
+def check_data_hash(stored: str | None, identity: dict[str, Any], data: str | None,
+                    checkpoint: str) -> None:
+    """Raise ValueError when the data of a resumed run is not the data its checkpoint was
+    trained on: their content hashes differ (``stored`` None: a checkpoint from before the
+    hashes were recorded; nothing to compare). Pure."""
+    found = identity.get("hash")
+    if stored is None or found is None or stored == found:
+        return
+    what = f"--data {data}" if data else "the embedded corpus"
+    raise ValueError(f"{what} has content hash {found}, but checkpoint {checkpoint} was "
+                     f"trained on data with hash {stored}: give the data it was trained on "
+                     "(moved or renamed is fine)")

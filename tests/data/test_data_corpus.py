@@ -113,7 +113,7 @@ def test_a_binary_file_is_refused_and_binary_true_takes_it(tmp_path) -> None:
                                          r"byte 128\); --data-binary \(binary=True\) trains"):
         TextCorpus(8, path=str(blob))
     corpus = TextCorpus(8, path=str(blob), binary=True)
-    assert corpus.text == blob.read_bytes() and corpus.files == ("model.bin",)
+    assert bytes(corpus.text) == blob.read_bytes() and corpus.files == ("model.bin",)
 
 
 def test_a_directory_skips_and_counts_binary_files(tmp_path) -> None:
@@ -124,7 +124,7 @@ def test_a_directory_skips_and_counts_binary_files(tmp_path) -> None:
     corpus = TextCorpus(8, path=str(tmp_path))
     assert corpus.files == ("notes.txt", "pkg/a.py")
     assert corpus.skipped == ("pkg/__pycache__/a.cpython-311.pyc",)
-    assert b"\xa7" not in corpus.text
+    assert b"\xa7" not in bytes(corpus.text)
     every = TextCorpus(8, path=str(tmp_path), binary=True)
     assert every.skipped == () and len(every.files) == 3
     only_binary = tmp_path / "pkg" / "__pycache__"

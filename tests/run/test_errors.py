@@ -29,10 +29,10 @@ import sys
 from mpi4py import MPI
 import mpidist.run.loop as loop
 real = loop.make_data
-def make_data(cfg):
+def make_data(cfg, *args):
     if MPI.COMM_WORLD.Get_rank() == 1:
         raise RuntimeError("the disk of rank 1 is gone")
-    return real(cfg)
+    return real(cfg, *args)
 loop.make_data = make_data
 from mpidist.cli import main
 sys.exit(main(sys.argv[1:]))
