@@ -44,7 +44,7 @@ from mpidist.core.comms import comm_id, live, mpi
 
 __all__ = ["KILL_ENV", "KillPoint", "ProcessFailure", "Shrunk", "UnrecoverableFailure",
            "commit", "enable", "enabled", "failure_classes", "install_kill_points", "is_failure",
-           "job_comm", "leave", "leave_if_survived", "on_shrink", "parse_kill_points",
+           "job_comm", "keep_alive", "leave", "leave_if_survived", "on_shrink", "parse_kill_points",
            "revoke_all", "shrink", "survived"]
 
 log = logging.getLogger("mpidist.failure")
@@ -99,6 +99,16 @@ def is_failure(exc: BaseException) -> bool:
         return True
     get = getattr(exc, "Get_error_class", None)
     return get is not None and get() in failure_classes()
+
+
+_KEPT: list[Any] = []
+
+
+def keep_alive(*objs: Any) -> None:
+    """Keep ``objs`` (the buffers of an MPI operation that failed) alive for the rest of
+    the process: Open MPI may still touch the buffers of an operation it aborted after a
+    failure, although mpi4py let go of them. Not collective."""
+    _KEPT.append(objs)
 
 
 def revoke_all() -> int:

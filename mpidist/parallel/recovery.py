@@ -46,6 +46,7 @@ from mpidist.core.failure import (
     UnrecoverableFailure,
     commit,
     enabled,
+    keep_alive,
     shrink,
 )
 from mpidist.parallel.hooks import AllReduce, ReduceScatter
@@ -337,8 +338,12 @@ class _Mover:
         recvbuf = np.empty(int(rcounts.sum()), dtype=dst.dtype)
         sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
         rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64)
-        self.comm.Alltoallv([sendbuf, (scounts.tolist(), sdispl.tolist())],
-                            [recvbuf, (rcounts.tolist(), rdispl.tolist())])
+        try:
+            self.comm.Alltoallv([sendbuf, (scounts.tolist(), sdispl.tolist())],
+                                [recvbuf, (rcounts.tolist(), rdispl.tolist())])
+        except BaseException:
+            keep_alive(sendbuf, recvbuf)  # a failed transfer may still touch them
+            raise
         pos = 0
         for p in range(self.m):
             for v in self.speaks[p]:

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.core import comms
+from mpidist.core import collectives as C
+from mpidist.core.failure import keep_alive
 from mpidist.optim.base import OptimizerState
 
 __all__ = ["MODES", "Redundancy", "copy_bytes_per_step", "holder_of"]
@@ -86,7 +87,7 @@ class Redundancy:
         self.copy_tag = [-1, -1]
         self.copy_step = [0, 0]
         self.grad_in = np.zeros(local if self.level >= 2 else 0, dtype=self.dtype)
-        self._reqs: list[Any] = []
+        self._pending: Any = None  # the gradient shard's messages in flight
 
     # -- who holds what ----------------------------------------------------------------------
     @property
@@ -136,18 +137,20 @@ class Redundancy:
         self.snap_extra = opt.position_extras()
         self.snap_tag = tag
         if self.copies and self.level >= 2:
-            self._reqs = [self.comm.Irecv(self.grad_in, source=self.neighbour, tag=_TAG),
-                          self.comm.Isend(model.grad_shard, dest=holder_of(self.rank, self.n),
-                                          tag=_TAG)]
+            # (a request that never completes keeps its buffers: a failed one must)
+            self._pending = C.Request(
+                [self.comm.Irecv(self.grad_in, source=self.neighbour, tag=_TAG),
+                 self.comm.Isend(model.grad_shard, dest=holder_of(self.rank, self.n),
+                                 tag=_TAG)], self.grad_in, keep=(model.grad_shard,))
 
     def after_update(self, opt: Any, tag: int, scale: float, skipped: bool) -> None:
         """After the own update of step ``tag``: the neighbour's copy of step ``tag + 1``,
         by the same update applied to the copy of ``tag`` (waits for the gradient shard)."""
         if not self.copies:
             return
-        if self._reqs:
-            comms.wait_all(self._reqs)
-            self._reqs = []
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
         src = self.copy_tag.index(tag) if tag in self.copy_tag else -1
         if src < 0:
             raise RuntimeError(f"buddy copy of step {tag} missing on dp rank {self.rank} "
@@ -203,8 +206,12 @@ class Redundancy:
             send[(1 + i) * local:(2 + i) * local] = opt.state.buffers[k]
         send[-1] = opt.state.step
         recv = np.empty_like(send)
-        self.comm.Sendrecv(send, dest=holder_of(self.rank, self.n), sendtag=_TAG,
-                           recvbuf=recv, source=self.neighbour, recvtag=_TAG)
+        try:
+            self.comm.Sendrecv(send, dest=holder_of(self.rank, self.n), sendtag=_TAG,
+                               recvbuf=recv, source=self.neighbour, recvtag=_TAG)
+        except BaseException:
+            keep_alive(send, recv)  # a failed transfer may still touch them
+            raise
         b = 0 if self.copy_tag[0] < self.copy_tag[1] else 1
         self.copy_params[b][:] = recv[:local]
         for i, k in enumerate(keys):
