@@ -20,10 +20,11 @@ A process that outlived a failure must not end with ``MPI_Finalize`` (Open MPI 5
 forever in it, open-mpi/ompi#11404): :func:`leave` ends it after a barrier of the survivors,
 with ``os._exit``; :func:`leave_if_survived` does that only where a failure was survived.
 
-For tests and benchmarks, ``MPIDIST_FT_KILL="RANK:STEP:PHASE[:N][,...]"`` makes world rank
-RANK SIGKILL itself inside its N-th MPI call (default 1; 0: on entering the phase, before
-any call) of phase PHASE (:func:`mpidist.core.comms.phase`; ``*``: any phase) of training
-step STEP (:func:`mpidist.core.comms.set_step`): :func:`install_kill_points`.
+For tests and benchmarks, ``MPIDIST_FT_KILL="rank=R,step=S[,phase=P][,call=N][;...]"``
+makes world rank R SIGKILL itself inside its N-th MPI call (default 1; 0: on entering the
+phase, before any call) of phase P (:func:`mpidist.core.comms.phase`; default: any) of
+training step S (:func:`mpidist.core.comms.set_step`): :func:`install_kill_points`. Several
+kill points are separated by ``;``.
 """
 
 from __future__ import annotations
@@ -303,33 +304,40 @@ def leave_if_survived(status: int) -> int:
 # -- kill points (tests and benchmarks) ------------------------------------------------------
 @dataclass(frozen=True)
 class KillPoint:
-    """World rank ``rank`` SIGKILLs itself in its ``call``-th MPI call (0: on entering)
-    of phase ``phase`` of step ``step``."""
+    """World rank ``rank`` SIGKILLs itself in its ``call``-th MPI call (0: on entering the
+    phase) of phase ``phase`` ("*": any) of step ``step``."""
 
     rank: int
     step: int
-    phase: str
+    phase: str = "*"
     call: int = 1
 
 
 def parse_kill_points(text: str) -> list[KillPoint]:
-    """``"RANK:STEP:PHASE[:N],..."`` as kill points; ValueError naming a bad one. Pure."""
+    """``"rank=R,step=S[,phase=P][,call=N];..."`` as kill points; ValueError naming a bad
+    one. Pure."""
     out = []
-    for item in (t.strip() for t in text.split(",")):
+    for item in (t.strip() for t in text.split(";")):
         if not item:
             continue
-        parts = item.split(":")
+        want: dict[str, str] = {}
         try:
-            if len(parts) not in (3, 4) or not parts[2]:
+            for part in item.split(","):
+                key, eq, value = part.partition("=")
+                if not eq or key.strip() not in ("rank", "step", "phase", "call") \
+                        or key.strip() in want:
+                    raise ValueError
+                want[key.strip()] = value.strip()
+            point = KillPoint(int(want["rank"]), int(want["step"]), want.get("phase") or "*",
+                              int(want.get("call", 1)))
+            if min(point.rank, point.step, point.call) < 0 \
+                    or (point.call == 0 and point.phase == "*"):
                 raise ValueError
-            rank, step = int(parts[0]), int(parts[1])
-            n = int(parts[3]) if len(parts) == 4 else 1
-            if rank < 0 or step < 0 or n < 0:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{KILL_ENV}={text!r}: {item!r} is not RANK:STEP:PHASE[:N] "
-                             "(whole numbers >= 0 and a phase name)") from None
-        out.append(KillPoint(rank, step, parts[2], n))
+        except (KeyError, ValueError):
+            raise ValueError(f"{KILL_ENV}={text!r}: {item!r} is not rank=R,step=S[,phase=P]"
+                             "[,call=N] (whole numbers >= 0; call=0, on entering the phase, "
+                             "needs a phase)") from None
+        out.append(point)
     return out
 
 

@@ -329,13 +329,15 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         scale, skip = self._unscale(model)
         if self.config.max_grad_norm is not None and not skip:
             scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
-        if not skip:
-            self.apply_update(scale)
-        if red is not None:  # the neighbour's copy, updated alike
-            red.after_update(self, tag, scale, skip)
+        with phase("update"):
+            if not skip:
+                self.apply_update(scale)
+            if red is not None:  # the neighbour's copy, updated alike
+                red.after_update(self, tag, scale, skip)
         t3 = time.perf_counter()
         if not skip:
-            model.after_update()
+            with phase("allgather"):  # levels 1-2: the updated shards to every replica
+                model.after_update()
         loss = self.global_loss(model, local_loss)
         t4 = time.perf_counter()
         self.step_count += 1

@@ -53,9 +53,12 @@ from mpidist.parallel.hooks import AllReduce, ReduceScatter
 from mpidist.parallel.redundancy import holder_of
 from mpidist.parallel.resize import transfer_plan
 
-__all__ = ["MeshChanged", "RecoveryMixin", "decide", "lost_words", "off_reason", "recover",
-           "redundancy_reason"]
+__all__ = ["PHASES", "MeshChanged", "RecoveryMixin", "decide", "lost_words", "off_reason",
+           "recover", "redundancy_reason"]
 
+#: the phases a failure is reported in (by their index; others are reported as "")
+PHASES = ("", "forward", "backward", "optimizer", "update", "allgather", "agreement",
+          "evaluation", "checkpoint", "pipeline", "recovery")
 _RESTART = ("restart from the last checkpoint (the supervisor, --requeue or "
             "mpidist train --resume)")
 
@@ -128,21 +131,23 @@ class Decision:
 
 
 def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool,
-           off: str | None = None, world: Sequence[int] | None = None,
-           phase: str = "") -> Decision:
+           off: str | None = None, world: Sequence[int] | None = None) -> Decision:
     """The survivors' decision from the agreed table. Pure.
 
     ``n``: the old data-parallel size; ``survivors[i]``: new rank i's old rank;
-    ``values[i]``: its (completed steps, own snapshot's step, its copy buffers' steps...);
-    ``copies``: whether the level keeps buddy copies (ZeRO); ``off``: why recovery is off
-    (None: on); ``world``: the old ranks' world ranks (for the message); ``phase``: where
-    the failure was seen first (for the message).
+    ``values[i]``: its (completed steps, the index in :data:`PHASES` of the phase it saw the
+    failure in, its own snapshot's step, its copy buffers' steps...); ``copies``: whether
+    the level keeps buddy copies (ZeRO); ``off``: why recovery is off (None: on);
+    ``world``: the old ranks' world ranks (for the message, which names the phase the
+    lowest survivor saw the failure in).
     """
     alive = set(survivors)
     dead = [r for r in range(n) if r not in alive]
     done = values[:, 0].astype(np.int64)
     t = int(done.min())
     names = [world[d] if world is not None else d for d in dead]
+    code = int(values[0, 1])
+    phase = PHASES[code] if 0 <= code < len(PHASES) else ""
     where = f" in step {t + 1}" + (f" ({phase})" if phase else "")
     d = Decision(t, dead)
     if off is not None:
@@ -150,7 +155,7 @@ def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool
                            f"({off}): {_RESTART}")
         return d
     for i, (r, row) in enumerate(zip(survivors, values, strict=True)):
-        if row[1] != t + 1 and done[i] != t:  # pragma: no cover - the protocol prevents it
+        if row[2] != t + 1 and done[i] != t:  # pragma: no cover - the protocol prevents it
             d.unrecoverable = (f"lost {lost_words(names)}{where}; rank {r} has no snapshot "
                                f"of step {t + 1}: {_RESTART}")
             return d
@@ -167,7 +172,7 @@ def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool
                                f"impossible: {_RESTART}")
             return d
         row = values[survivors.index(h)]
-        if t + 1 not in row[2:]:
+        if t + 1 not in row[3:]:
             d.unrecoverable = (f"lost {lost_words(names)}{where}: the copy of rank {who} "
                                f"was not yet refreshed for step {t + 1}; in-job recovery is "
                                f"impossible: {_RESTART}")
@@ -200,7 +205,8 @@ class _Old:
         red = self.red
         tags = red.copy_tag if red is not None else [-1, -1]
         snap = red.snap_tag if red is not None else -1
-        return [self.done, snap, *tags]
+        phase = self.failure.phase
+        return [self.done, PHASES.index(phase) if phase in PHASES else 0, snap, *tags]
 
 
 def recover(opt: Any, failure: ProcessFailure) -> MeshChanged:
@@ -226,8 +232,7 @@ def _attempt(old: Any, off: str | None, t0: float) -> MeshChanged:
                     values=old.values())
     old.newest = shrunk.comm
     d = decide(old.n, shrunk.survivors, shrunk.values,
-               copies=old.red is not None and old.red.copies, off=off, world=old.world,
-               phase=old.failure.phase)
+               copies=old.red is not None and old.red.copies, off=off, world=old.world)
     if d.unrecoverable:
         commit(shrunk.comm)
         raise UnrecoverableFailure(d.unrecoverable)

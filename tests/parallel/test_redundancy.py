@@ -12,7 +12,7 @@ from strategy_helpers import make_case, reference_run
 
 from mpidist.data import GlobalBatchSampler
 from mpidist.parallel import ShardedOptimizer, ShardingConfiguration
-from mpidist.parallel.recovery import decide, lost_words
+from mpidist.parallel.recovery import PHASES, decide, lost_words
 from mpidist.parallel.redundancy import copy_bytes_per_step, holder_of
 
 STEPS, BATCH = 4, 12
@@ -114,8 +114,9 @@ def test_copy_bytes_per_step_formula():
     assert [holder_of(r, 4) for r in range(4)] == [1, 2, 3, 0]
 
 
-def _table(rows):
-    return np.array(rows, dtype=np.int64)
+def _table(rows, phase=0):
+    """(completed, phase, snapshot, copies...) rows from (completed, snapshot, copies...)."""
+    return np.array([[r[0], phase, *r[1:]] for r in rows], dtype=np.int64)
 
 
 def test_decide_goes_on_from_the_smallest_completed_step():
@@ -126,8 +127,8 @@ def test_decide_goes_on_from_the_smallest_completed_step():
 
 
 def test_decide_ends_the_job_when_a_copy_is_gone():
-    values = _table([[5, 6, 6, 5], [5, 6, 5, 6]])
-    d = decide(4, [0, 1], values, copies=True, world=[0, 1, 2, 3], phase="backward")
+    values = _table([[5, 6, 6, 5], [5, 6, 5, 6]], phase=PHASES.index("backward"))
+    d = decide(4, [0, 1], values, copies=True, world=[0, 1, 2, 3])
     assert d.dead == [2, 3]
     assert "rank 2 and rank 3, which held its copy, died together" in d.unrecoverable
     assert "lost ranks 2 and 3 in step 6 (backward)" in d.unrecoverable
