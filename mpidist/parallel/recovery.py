@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.core.comms import info
+from mpidist.core.comms import info, phase
 from mpidist.core.failure import (
     ProcessFailure,
     UnrecoverableFailure,
@@ -217,11 +217,12 @@ def recover(opt: Any, failure: ProcessFailure) -> MeshChanged:
     t0 = time.time()
     old = _Old(opt, failure)
     off = off_reason(opt)
-    for _ in range(old.n):
-        try:
-            return _attempt(old, off, t0)
-        except ProcessFailure:
-            continue  # another rank died meanwhile: start over on the newest communicator
+    with phase("recovery"):
+        for _ in range(old.n):
+            try:
+                return _attempt(old, off, t0)
+            except ProcessFailure:
+                continue  # another rank died meanwhile: start over on the newest comm
     raise UnrecoverableFailure(f"ranks kept failing during the recovery from {failure}: "
                                f"{_RESTART}")
 

@@ -168,6 +168,23 @@ def test_a_rank_and_the_holder_of_its_copy_killed_together(ulfm, tmp_path, monke
     assert [e["event"] for e in _rows(out / "events.jsonl")].count("resume") == 1
 
 
+@pytest.mark.parametrize(("second", "call"), [(3, 4), (2, 1)])
+def test_a_second_death_during_the_recovery(ulfm, tmp_path, monkeypatch, second, call):
+    """Rank 3 dying in the recovery from rank 1 (in its call-th MPI call there): the
+    recovery starts over and loses both; rank 2, the holder of rank 1's copy: one line."""
+    ref = reference(tmp_path)
+    kill = _kill(1, 3, "backward") + ";" + f"rank={second},step=3,phase=recovery,call={call}"
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2", kill=kill)
+    assert job.last(second, "step-3") is not None and job.last(second, "step-4") is None
+    if second == 3:
+        check_recovered(job, out, ref, lost=[[1, 3]], size=2)
+        return
+    assert not job.timed_out and job.returncode == 1, job.report()
+    lines = [ln for ln in text(job).splitlines() if "mpidist train: error:" in ln]
+    assert len(lines) == 1, job.report()
+    assert "rank 1 and rank 2, which held its copy, died together" in lines[0], lines
+
+
 def test_redundancy_none_ends_the_job_in_one_line(ulfm, tmp_path, monkeypatch):
     job, _ = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
                    extra=("--redundancy", "none"), kill=_kill(2, 3, "backward"))
