@@ -88,6 +88,9 @@ class Redundancy:
         self.copy_step = [0, 0]
         self.grad_in = np.zeros(local if self.level >= 2 else 0, dtype=self.dtype)
         self._pending: Any = None  # the gradient shard's messages in flight
+        #: how the copy follows the neighbour: "replay" its update (the default), or "send"
+        #: the updated state each step (kept to measure the choice: benchmarks/recovery.py)
+        self.refresh = "replay"
 
     # -- who holds what ----------------------------------------------------------------------
     @property
@@ -136,7 +139,7 @@ class Redundancy:
         self.snap_step = int(opt.state.step)
         self.snap_extra = opt.position_extras()
         self.snap_tag = tag
-        if self.copies and self.level >= 2:
+        if self.copies and self.level >= 2 and self.refresh == "replay":
             # (a request that never completes keeps its buffers: a failed one must)
             self._pending = C.Request(
                 [self.comm.Irecv(self.grad_in, source=self.neighbour, tag=_TAG),
@@ -156,6 +159,9 @@ class Redundancy:
             raise RuntimeError(f"buddy copy of step {tag} missing on dp rank {self.rank} "
                                f"(tags {self.copy_tag}): establish() was not called")
         dst = 1 - src
+        if self.refresh == "send":
+            self._exchange(opt, tag + 1, dst)
+            return
         self.copy_params[dst][:] = self.copy_params[src]
         for k, buf in self.copy_state[src].items():
             self.copy_state[dst][k][:] = buf
@@ -197,6 +203,13 @@ class Redundancy:
         data-parallel group."""
         if not self.copies:
             return
+        b = 0 if self.copy_tag[0] < self.copy_tag[1] else 1
+        self._exchange(opt, tag, b)
+        self.copy_tag[1 - b] = -1
+
+    def _exchange(self, opt: Any, tag: int, b: int) -> None:
+        """The neighbour's live state into copy buffer ``b``, tagged ``tag``; this rank's to
+        its holder. Collective over the data-parallel group (a ring ``Sendrecv``)."""
         model = opt.model
         keys = sorted(opt.state.buffers)
         local = self.layout.local_size
@@ -212,13 +225,11 @@ class Redundancy:
         except BaseException:
             keep_alive(send, recv)  # a failed transfer may still touch them
             raise
-        b = 0 if self.copy_tag[0] < self.copy_tag[1] else 1
         self.copy_params[b][:] = recv[:local]
         for i, k in enumerate(keys):
             self.copy_state[b][k][:] = recv[(1 + i) * local:(2 + i) * local]
         self.copy_step[b] = int(recv[-1])
         self.copy_tag[b] = tag
-        self.copy_tag[1 - b] = -1
 
     # -- what a recovery restores from ----------------------------------------------------------
     def own_at(self, model: Any, state: Any, extras: dict[str, Any], tag: int

@@ -18,11 +18,13 @@ from mpidist.parallel.redundancy import copy_bytes_per_step, holder_of
 STEPS, BATCH = 4, 12
 
 
-def _train(comm, level, redundancy, *, steps=STEPS, kind="gpt", check=None):
+def _train(comm, level, redundancy, *, steps=STEPS, kind="gpt", check=None, refresh="replay"):
     make_model, data, loss, make_opt = make_case(kind)
     opt = ShardedOptimizer(make_opt(), ShardingConfiguration(dtype="float64"), level=level,
                            loss=loss, comm=comm, redundancy=redundancy)
     model = opt.wrap(make_model(), seed=0)
+    if opt.redundancy is not None:
+        opt.redundancy.refresh = refresh
     opt.sampler = GlobalBatchSampler(len(data), BATCH, seed=0)
     losses = []
     for _ in range(steps):
@@ -47,8 +49,9 @@ def _neighbour_truth(opt):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("refresh", ["replay", "send"])
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_the_copy_is_the_neighbours_state_after_every_step(level):
+def test_the_copy_is_the_neighbours_state_after_every_step(level, refresh):
     from mpi4py import MPI
 
     seen = []
@@ -65,7 +68,7 @@ def test_the_copy_is_the_neighbours_state_after_every_step(level):
         assert red.copy_at(tag - 1) is not None or tag == 2  # the previous one kept
         seen.append(tag)
 
-    _, with_copies = _train(MPI.COMM_WORLD, level, "buddy", check=check)
+    _, with_copies = _train(MPI.COMM_WORLD, level, "buddy", check=check, refresh=refresh)
     _, without = _train(MPI.COMM_WORLD, level, "none")
     np.testing.assert_array_equal(with_copies, without)
     ref, _ = reference_run("gpt", STEPS, BATCH, "float64")
