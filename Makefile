@@ -171,7 +171,7 @@ test-conformance: warm
 # gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it,
 # recovery.py (in-job recovery from a lost rank) without the fault-tolerance stack.
 test-bench-smoke: warm ulfm
-	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
+	MPIDIST_BENCH_SMOKE=1 MPIDIST_ULFM_PREFIX="$${MPIDIST_ULFM_PREFIX:-$(abspath $(ULFM_PREFIX))}" timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  tests/test_benchmarks.py
 
 # Hung jobs end to end (tests/run/test_hang.py, which starts its own mpiexec runs): the whole
