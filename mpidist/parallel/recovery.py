@@ -189,8 +189,9 @@ class _Old:
         self.opt, self.model, self.state = opt, model, opt.state
         self.red = opt.redundancy
         self.level, self.layout = model.level, model.layout
-        self.n, self.rank = model.dp_size, model.dp_rank
         self.comm = opt.build_comm
+        # (the mesh's ranks are the top communicator's where recovery is on: pp = tp = 1)
+        self.n, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         members = info(self.comm).members if info(self.comm) is not None else []
         self.world = members if len(members) == self.n else list(range(self.n))
         self.done = int(opt.step_count)
