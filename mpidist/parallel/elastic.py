@@ -141,6 +141,9 @@ class ElasticOptimizer(ShardedOptimizer):
     :meth:`optimize` is inherited and keeps the membership fixed.
     """
 
+    #: in-job recovery from a lost rank is not built for changing memberships yet
+    supports_recovery = False
+
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
                  min_workers: int = 1, max_workers: int = 1024, *, strategy: str | None = None,
                  zero_stage: int | None = None, hook: GradientHook | None = None,

@@ -82,6 +82,9 @@ class TrainingStateMixin:
         none yet). Not collective."""
         self.state.step = int(step)
         self.step_count = int(steps_taken)
+        red = getattr(self, "redundancy", None)
+        if red is not None:  # the copies no longer match the state: made anew before a step
+            red.invalidate()
         for _, _, st in self.pieces:
             st.step = self.state.step
         if data:

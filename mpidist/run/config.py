@@ -21,6 +21,7 @@ from mpidist.optim import OPTIMIZERS
 from mpidist.parallel.config import PRECISIONS, RECOMPUTE
 from mpidist.parallel.pipeline import SCHEDULES
 from mpidist.parallel.precision import compute_dtype
+from mpidist.parallel.redundancy import MODES as REDUNDANCY
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
@@ -89,6 +90,7 @@ class TrainConfig:
     max_workers: int = 1024
     hang_timeout: float = 300.0
     hang_abort: bool = False
+    redundancy: str = "buddy"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -114,6 +116,8 @@ class TrainConfig:
                              f"interleaved (got --schedule {self.schedule})")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        if self.redundancy not in REDUNDANCY:
+            raise ValueError(f"redundancy={self.redundancy!r} must be one of {REDUNDANCY}")
         if self.compression not in COMPRESSION_METHODS:
             raise ValueError(f"compression={self.compression!r} is not one of "
                              f"{COMPRESSION_METHODS}")
@@ -352,6 +356,10 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "on; 0: never"),
     ("--hang-abort", "store_const", None,
      "after dumping for a hang, end the job (MPI_Abort) instead of only reporting"),
+    ("--redundancy", str, REDUNDANCY,
+     "copies for in-job recovery from a lost rank (MPI with fault tolerance: Open MPI 5 "
+     "under mpiexec --with-ft ulfm; ddp, zero1-3): buddy keeps each rank's shard in its "
+     "neighbour's memory and the survivors go on; none: a lost rank ends the job"),
 ]
 
 

@@ -27,8 +27,9 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, world
+from mpidist.core.failure import ProcessFailure, UnrecoverableFailure
 from mpidist.nn.allocator import reuse_freed_memory
-from mpidist.parallel.loop import run_steps
+from mpidist.parallel.loop import recover_in_loop, run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
 from mpidist.run.checkpoints import RunCheckpoints
 from mpidist.run.config import TrainConfig, check_output_directory
@@ -52,13 +53,15 @@ from mpidist.run.preempt import (
     requeue_slurm_job,
     signal_name,
 )
+from mpidist.run.recovery import RunRecovery
 from mpidist.run.resume import check_data_hash
 
 __all__ = ["EXIT_PREEMPTED", "run_training"]
 
 log = logging.getLogger("mpidist.cli.train")
 
-_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak", "host_snapshot")
+_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak", "host_snapshot",
+             "redundancy")
 _EVAL_SEED = 1234
 
 
@@ -137,6 +140,7 @@ class _Run:
         # One collective between steps decides, alike on every rank, all that must be.
         self.agreement = StepAgreement()
         self.opt = make_strategy(cfg, comm)
+        self.recovery = RunRecovery(self)  # in-job recovery from a lost rank, where it can
         self.io_seconds = 0.0
         self._skipped = 0
         self.last_saved = -1
@@ -176,22 +180,30 @@ class _Run:
             self._start(start)
         self.progress = Progress(cfg.steps, self.opt.step_count,
                                  enabled=self.is_root() and cfg.progress)
-        hooks: list[Any] = [self]  # metrics etc. after each step, then preemption
+        hooks: list[Any] = [self, self.recovery]  # metrics etc. after each step, then preemption
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
         t_train = time.perf_counter()
-        try:
-            outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
-                                sampler=self.opt.sampler, hooks=hooks)
-        finally:
-            self.progress.close()
-        seconds = time.perf_counter() - t_train
-        self.model = outcome.model if outcome.model is not None else self.opt.model
-        if elastic is not None and elastic.left:
-            self.left = True
-            return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
-        return self._finish(outcome, seconds, t_train - t_setup)
+        done = 0
+        while True:
+            try:
+                outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
+                                    sampler=self.opt.sampler, hooks=hooks)
+            finally:
+                self.progress.close()
+            seconds = time.perf_counter() - t_train
+            self.model = outcome.model if outcome.model is not None else self.opt.model
+            outcome.steps += done
+            if elastic is not None and elastic.left:
+                self.left = True
+                return {"left": True, "step": self.opt.step_count,
+                        "steps_this_run": outcome.steps}
+            try:
+                return self._finish(outcome, seconds, t_train - t_setup)
+            except ProcessFailure as lost:  # in the final evaluation or the summary
+                done = outcome.steps
+                self.recovery.mesh_changed(self.model, recover_in_loop(self.opt, lost))
 
     def _maybe_resume(self) -> int:
         """Load the checkpoint the opening chose (or clear the way for a new run), then
@@ -247,7 +259,8 @@ class _Run:
                      "max_workers": self.opt.max_workers}
         self.events.write(event="start", step=start, world_size=self.world_size(),
                           strategy=cfg.strategy, mesh=_mesh_dict(self.model),
-                          config=dataclasses.asdict(cfg), time=time.time(), **extra)
+                          config=dataclasses.asdict(cfg), time=time.time(), **extra,
+                          **self.recovery.start_fields())
         if self.is_root():
             n_params = sum(int(np.prod(s)) for _, s in make_model(cfg).named_parameter_shapes())
             where = getattr(self.model, "device", None)
@@ -260,6 +273,7 @@ class _Run:
             mesh = getattr(self.model, "mesh", None)
             if mesh is not None and hasattr(mesh, "node_banner"):
                 print(mesh.node_banner(), end="", flush=True)  # the layout by node
+        self.recovery.announce()
 
     # -- hooks ---------------------------------------------------------------------------------
     def after_step(self, model: Any, rec: Any) -> None:
@@ -296,11 +310,19 @@ class _Run:
         self.metrics.write(step=step, loss=self.val_loss, split="validation")
 
     def _save(self, step: int, final: bool = False, **event: Any) -> None:
-        """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank."""
-        self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
-                              extra={"train_config": dataclasses.asdict(self.cfg),
-                                     "data": self.train_data.identity()},
-                              final=final, **event)
+        """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank. A rank
+        lost during the save call (a blocking save, the blocking part of an asynchronous
+        one, or the commit of the save in flight it waits for first) ends the job."""
+        try:
+            self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
+                                  extra={"train_config": dataclasses.asdict(self.cfg),
+                                         "data": self.train_data.identity()},
+                                  final=final, **event)
+        except ProcessFailure as lost:  # some ranks may be inside MPI-IO: no recovery here
+            raise UnrecoverableFailure(
+                f"lost a rank during the checkpoint of step {step} ({lost}); in-job recovery "
+                "does not cover a save in progress: restart from the last checkpoint (the "
+                "supervisor, --requeue or mpidist train --resume)") from lost
         self.last_saved = step
 
     def between_steps(self, model: Any, rec: Any) -> Any:
@@ -345,6 +367,7 @@ class _Run:
         cfg = self.cfg
         loss = outcome.last.loss if outcome.last is not None else float("nan")
         step = self.opt.step_count
+        self.recovery.flush(redone_to=step)  # a recovery no step followed
         self.checkpoints.wait(step)
         if not self.preempted:
             if not np.isfinite(self.val_loss) or cfg.eval_interval == 0:
@@ -394,6 +417,7 @@ class _Run:
                                       for row in mem_all],
             "setup_seconds": setup,
             "preempted": self.preempted or None,
+            "recoveries": list(self.recovery.history),
         }
         if self.elastic:
             summary["inner_strategy"] = self.opt.inner_strategy
