@@ -4,6 +4,10 @@ When a rank dies, every survivor gets :class:`~mpidist.core.failure.ProcessFailu
 next MPI call (the hook of :mod:`mpidist.core.failure` revoked every communicator), wherever
 it was in the step. :func:`recover`, on every survivor:
 
+0. **Abandon** the asynchronous save in flight, if any
+   (:meth:`~mpidist.checkpoint.AsyncCheckpoint.abandon`, no MPI): its communicator is
+   revoked, so it can never commit; its writer stops and ``latest`` stays the previous
+   checkpoint (the handle reports ``abandoned``).
 1. **Shrink and agree**: the survivors' communicator from the run's top one
    (:func:`~mpidist.core.failure.shrink`), and one table of what each survivor reports:
    its completed steps, the step its own snapshot holds, the steps its buddy copy holds.
@@ -40,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.checkpoint.background import in_flight
 from mpidist.core.comms import info, phase
 from mpidist.core.failure import (
     ProcessFailure,
@@ -216,6 +221,9 @@ def recover(opt: Any, failure: ProcessFailure) -> MeshChanged:
     communicator; raises :class:`~mpidist.core.failure.UnrecoverableFailure` (the same on
     every survivor) when the state of a dead rank is lost or recovery is off."""
     t0 = time.time()
+    pending = in_flight()  # an asynchronous save cannot commit over revoked communicators
+    if pending is not None:
+        pending.abandon()  # no MPI: its writer stops, latest stays the previous checkpoint
     old = _Old(opt, failure)
     off = off_reason(opt)
     with phase("recovery"):

@@ -12,7 +12,9 @@ checksums, rank 0's rename and ``latest``), or raises the failed rank's error, t
 to a step. At most one save is in flight: the next save, a preemption and the end of the
 run wait for it (and an elastic resize, :meth:`mpidist.parallel.ElasticOptimizer.maybe_rescale`,
 commits it over the old workers before anything moves). The run's last checkpoint and a
-preemption's are written blocking.
+preemption's are written blocking. In-job recovery from a lost rank abandons the save in
+flight (event ``checkpoint_abandoned``): ``latest`` stays the previous checkpoint and the
+next periodic save writes a new one.
 """
 
 from __future__ import annotations
@@ -124,6 +126,27 @@ class RunCheckpoints:
         finally:
             self.blocking_seconds += time.perf_counter() - t0
         self._done(pending, pending.commit_step if pending.commit_step is not None else step)
+
+    def mesh_changed(self, model: Any, changed: Any) -> None:
+        """After in-job recovery from a lost rank (a loop hook, after rank 0's duties
+        moved): the save in flight, which the recovery abandoned (its communicator was
+        revoked; :func:`mpidist.parallel.recovery.recover`), never commits and ``latest``
+        stays the previous checkpoint; an event ``checkpoint_abandoned`` says so. Not
+        collective."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if pending.committed:  # the lost rank went after the commit: it counts
+            self.pending = pending
+            self._done(pending, pending.commit_step if pending.commit_step is not None
+                       else changed.step)
+            return
+        pending.abandon()  # already done by the recovery; here in case it was not
+        self.background_seconds += pending.background_seconds
+        self.events.write(event="checkpoint_abandoned", step=self._pending_step,
+                          path=os.path.basename(pending.path), at_step=int(changed.step),
+                          reason=f"lost rank(s) {list(changed.dead)} while it was in flight",
+                          time=time.time())
 
     def _done(self, pending: AsyncCheckpoint, commit_step: int) -> None:
         self.pending = None

@@ -180,7 +180,9 @@ class _Run:
             self._start(start)
         self.progress = Progress(cfg.steps, self.opt.step_count,
                                  enabled=self.is_root() and cfg.progress)
-        hooks: list[Any] = [self, self.recovery]  # metrics etc. after each step, then preemption
+        # metrics etc. after each step, then preemption; after a recovery, rank 0's duties
+        # move first, then the save in flight is recorded as abandoned
+        hooks: list[Any] = [self, self.recovery, self.checkpoints]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
@@ -203,7 +205,9 @@ class _Run:
                 return self._finish(outcome, seconds, t_train - t_setup)
             except ProcessFailure as lost:  # in the final evaluation or the summary
                 done = outcome.steps
-                self.recovery.mesh_changed(self.model, recover_in_loop(self.opt, lost))
+                changed = recover_in_loop(self.opt, lost)
+                self.recovery.mesh_changed(changed.model, changed)
+                self.checkpoints.mesh_changed(changed.model, changed)
 
     def _maybe_resume(self) -> int:
         """Load the checkpoint the opening chose (or clear the way for a new run), then

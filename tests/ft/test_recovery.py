@@ -185,6 +185,27 @@ def test_a_second_death_during_the_recovery(ulfm, tmp_path, monkeypatch, second,
     assert "rank 1 and rank 2, which held its copy, died together" in lines[0], lines
 
 
+def test_an_asynchronous_save_in_flight_is_abandoned(ulfm, tmp_path, monkeypatch):
+    """Rank 0 killed in step 5 while the background write of step 4's checkpoint is held
+    mid-write (the writer hook): the survivors abandon that save (its communicator is
+    revoked), the new rank 0 records it, ``latest`` stays step 2's until the final save,
+    and the trajectory is the single-process one."""
+    ref = reference(tmp_path)
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_WRITER_HOOK", "point=mid-write,action=stop,step=4")
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
+                     extra=("--checkpoint-interval", "2", "--checkpoint-async"),
+                     kill=_kill(0, 5, "forward"))
+    check_recovered(job, out, ref, lost=[[0]], size=3)
+    events = _rows(out / "events.jsonl")
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert saved == [2, 6], events
+    (gone,) = [e for e in events if e["event"] == "checkpoint_abandoned"]
+    assert gone["step"] == 4 and gone["at_step"] == 4, gone
+    assert (out / "latest").read_text().strip() == "ckpt-00000006.h5"
+    left = sorted(p.name for p in out.iterdir() if ".tmp-" in p.name)
+    assert left == [], left  # the final save deleted the abandoned temp file
+
+
 def test_redundancy_none_ends_the_job_in_one_line(ulfm, tmp_path, monkeypatch):
     job, _ = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
                    extra=("--redundancy", "none"), kill=_kill(2, 3, "backward"))
@@ -205,6 +226,23 @@ def test_the_library_user_loop_and_optimize(ulfm, tmp_path, monkeypatch, level):
         assert got["maxdiff"] <= 1e-9, got
         assert got["changes"] == [{"step": 1, "dead": [3], "size": 3}], got
         assert got["size"] == 2, got  # optimize recovered from rank 0 by itself
+
+
+def test_the_library_abandons_an_asynchronous_save_in_flight(ulfm, tmp_path, monkeypatch):
+    """``opt.save(..., async_=True)`` after step 1, its writer held mid-write, rank 3 lost
+    in step 2: the recovery abandons the save on every survivor (no checkpoint, no
+    ``latest``), and the trajectory is the single-process one."""
+    monkeypatch.setenv("MPIDIST_FT_KILL", _kill(3, 2, "backward"))
+    monkeypatch.setenv("MPIDIST_CHECKPOINT_WRITER_HOOK", "point=mid-write,action=stop,step=1")
+    job = ulfm("user_loop.py", 4, args=("2", str(tmp_path)), timeout=LIMIT)
+    assert not job.timed_out and job.returncode == 0, job.report()
+    for r in (0, 1, 2):
+        got = job.last(r, "losses")
+        assert got is not None, job.report()
+        assert got["maxdiff"] <= 1e-9, got
+        assert got["changes"] == [{"step": 1, "dead": [3], "size": 3}], got
+        assert got["save"] == {"abandoned": True, "committed": False}, got
+    assert not (tmp_path / "ckpt-1.h5").exists() and not (tmp_path / "latest").exists()
 
 
 def test_the_same_command_on_open_mpi_4_behaves_as_before(ulfm, tmp_path, monkeypatch):
