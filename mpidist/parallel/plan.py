@@ -433,15 +433,13 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             micro-batches are not a multiple of ``pp``, are skipped for it).
 
     Rows carry ``pp, tp, dp, zero_stage, micro_batches, schedule, virtual_stages, recompute,
-    params_per_device,
-    model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
-    step_time_s, fits, copies_gb`` (the copies of in-job recovery in host memory, not in
-    ``fits``; see the module doc).
+    params_per_device, model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s,
+    tp_comm_s, pp_comm_s, step_time_s, fits, copies_gb`` (the copies of in-job recovery in
+    host memory, not in ``fits``; see the module doc).
     """
     cluster, layers, hidden, heads, global_batch, max_tp, act_bytes, p_bytes, g_bytes = \
         _plan_inputs(params, devices, optimizer, precision, layers, hidden, heads, seq_len,
                      micro_batch, global_batch, cluster, zero_stages, max_tp, cluster_fields)
-
     rows = []
     for pp in _divisors(devices):
         if layers % pp:
@@ -479,6 +477,8 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                 states = psi * bytes_per_parameter(precision, optimizer, z, dp)
                 g_all, p_all = psi * g_bytes, psi * p_bytes
                 dp_comm = zero_sync_time(z, g_all, p_all, m, sync)
+                copies = copies_bytes(psi, precision=precision, optimizer=optimizer,
+                                      zero_stage=z, dp=dp, tp=tp, pp=pp) / GB
                 for sched, v, rc in _pipeline_choices(pp, schedules, recompute,
                                                       virtual_stages):
                     if v > 1 and (layers % (pp * v) or m % pp):
@@ -489,10 +489,7 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                     rows.append(_row(
                         {"pp": pp, "tp": tp, "dp": dp, "zero_stage": z, "micro_batches": m,
                          "schedule": sched, "virtual_stages": v, "recompute": rc,
-                         "params_per_device": psi,
-                         "copies_gb": copies_bytes(psi, precision=precision,
-                                                   optimizer=optimizer, zero_stage=z, dp=dp,
-                                                   tp=tp, pp=pp) / GB},
+                         "params_per_device": psi, "copies_gb": copies},
                         states=states, act=act, compute=compute,
                         comm=(dp_comm, tp_comm, pp_comm * v), memory=cluster.memory_gb))
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["total_gb"]))
