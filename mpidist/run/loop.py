@@ -237,7 +237,8 @@ class _Run:
         restart = restart_count()
         self.events.write(event="resume", step=step, world_size=self.world_size(),
                           checkpoint=os.path.basename(path), time=time.time(),
-                          **({"restart": restart} if restart else {}))
+                          **({"restart": restart} if restart else {}),
+                          **self.recovery.start_fields())  # this attempt's first event
         if self.is_root():
             lr = self.opt.lr_schedule(step) if self.opt.lr_schedule is not None else cfg.lr
             print(f"mpidist train: resuming {path} at step {step} on {self.world_size()} "

@@ -79,6 +79,8 @@ def check_recovered(job, out: Path, ref: dict[int, float], *, lost: list[list[in
     events = _rows(out / "events.jsonl")
     kinds = [e["event"] for e in events]
     assert "resume" not in kinds, kinds
+    assert kinds[0] == "start" and events[0]["fault_tolerance"].startswith("on (Open MPI v5")
+    assert events[0]["recovery"].startswith("in-job recovery on (--redundancy buddy"), events
     recovered = [e for e in events if e["event"] == "recovered"]
     assert [e["lost"] for e in recovered] == lost, events
     for e in recovered:
