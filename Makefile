@@ -168,9 +168,10 @@ test-conformance: warm
 # Every script in benchmarks/ at its smallest size, MPI ones under `timeout mpiexec -n 2`
 # (tests/test_benchmarks.py, which fails for a script it does not list): each must run and
 # print its table; the figures are not checked. Under a minute on 2 cores (at most 4).
-# gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it.
-test-bench-smoke: warm
-	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
+# gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it,
+# recovery.py (in-job recovery from a lost rank) without the fault-tolerance stack.
+test-bench-smoke: warm ulfm
+	MPIDIST_BENCH_SMOKE=1 MPIDIST_ULFM_PREFIX="$${MPIDIST_ULFM_PREFIX:-$(abspath $(ULFM_PREFIX))}" timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  tests/test_benchmarks.py
 
 # Hung jobs end to end (tests/run/test_hang.py, which starts its own mpiexec runs): the whole
@@ -224,13 +225,14 @@ docs: $(DOCS_STAMP)
 # (docs/performance.md). BENCH_ENV: e.g. "env -u OPENBLAS_CORETYPE" where a machine sets
 # OpenBLAS variables that slow a current NumPy.
 BENCH_ENV ?=
-bench: warm
+bench: warm ulfm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/collectives.py; done
 	$(BENCH_ENV) $(PY) benchmarks/optimizer_kernels.py
 	$(BENCH_ENV) $(PY) benchmarks/model_step.py
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/ddp_overhead.py; done
 	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/zero_memory.py; done
-	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py; done
+	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py --sections io; done
+	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/checkpoint_io.py --size-mb 512 --repeats 3 --sections async,window,torch
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/pipeline_bubble.py
 	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/pipeline_schedules.py
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py
@@ -240,6 +242,7 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/recorder.py
 	$(BENCH_ENV) $(PY) benchmarks/data.py
+	$(BENCH_ENV) $(PY) benchmarks/recovery.py
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
 # two-level collectives against the link bound, and the planner's two network levels.

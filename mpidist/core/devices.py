@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy", "cuda_aware", "is_device", "numba_cuda", "scale", "stage", "view"]
+__all__ = ["copy", "copy_to_host", "cuda_aware", "is_device", "numba_cuda", "pinned_empty", "scale",
+           "stage", "view"]
 
 
 def _removed_row_stack(*arrays: Any, **kwargs: Any) -> Any:
@@ -144,6 +145,22 @@ def stage(a: Any, *, read: bool = True) -> tuple[Any, Callable[[Any], None] | No
         _finish_copy(d)
 
     return host, back
+
+
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """A new uninitialised host array of ``nbytes`` bytes (uint8) in pinned (page-locked)
+    memory, which copies from and to a device reach by DMA, without a staging copy.
+    Needs Numba's CUDA (or its simulator)."""
+    return numba_cuda().pinned_array((int(nbytes),), dtype=np.uint8)
+
+
+def copy_to_host(dst: np.ndarray, src: Any) -> None:
+    """Copy the device array ``src`` straight into the host array ``dst`` (same shape and
+    dtype; pinned memory from :func:`pinned_empty` makes it one DMA), waiting for the
+    copy. Synchronous."""
+    d = view(src)
+    d.copy_to_host(dst.reshape(d.shape))
+    _finish_copy(d)
 
 
 def copy(dst: Any, src: Any) -> None:
