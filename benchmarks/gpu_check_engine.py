@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # this tree's mpidist, and model_step
 
 #: the tiny GPT of the parity runs; every first start decays the learning rate over the 8
 #: steps of the uninterrupted run, so a 6-step run and its resumption follow that run
