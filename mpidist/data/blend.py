@@ -6,10 +6,10 @@ A blend is a list of ``(weight, path)`` sources; the weights are normalized to s
 step ``step``'s global batch of ``B``) comes from source :func:`blend_sources`: the source
 ``i`` whose interval ``[w_0 + ... + w_{i-1}, w_0 + ... + w_i)`` holds ``frac(g / phi)``
 (phi the golden ratio), computed in 64-bit fixed point. This is a deterministic
-assignment, independent of the seed and of the world size, with the lowest discrepancy
-known: in the first ``N`` samples, every source's count is within a few samples of
-``w_i * N`` (at most 5 for ``N`` up to 10^6 in the tests, whatever the weights; the error
-grows like ``log N``), and every step's batch holds each source in proportion up to
+assignment, independent of the seed and of the world size, by a low-discrepancy sequence:
+in the first ``N`` samples, every source's count is within a few samples of ``w_i * N``
+(at most 5 for every ``N`` up to 200,000 in the tests, for every weight set tried; the
+error grows like ``log N``), and every step's batch holds each source in proportion up to
 rounding. Within its source a sample is a window drawn uniformly with replacement from
 ``(seed, step)``, as for one token file: the draws of source 0, then of source 1, ... So
 the global batch of a step is a pure function of ``(seed, step)`` and the blend, and a
