@@ -9,9 +9,10 @@ step ``step``'s global batch of ``B``) comes from source :func:`blend_sources`: 
 assignment, independent of the seed and of the world size, by a low-discrepancy sequence:
 in the first ``N`` samples, every source's count is within a few samples of ``w_i * N``
 (at most 5 for every ``N`` up to 200,000 in the tests, for every weight set tried; the
-error grows like ``log N``), and every step's batch holds each source in proportion up to
-rounding. Within its source a sample is a window drawn uniformly with replacement from
-``(seed, step)``, as for one token file: the draws of source 0, then of source 1, ... So
+error grows like ``log N``), and every step's batch holds each source in proportion to
+within a few samples (6 for batches of 32 in the tests). Within its source a sample is a
+window drawn uniformly with replacement from ``(seed, step)``, as for one token file: the
+draws of source 0, then of source 1, ... So
 the global batch of a step is a pure function of ``(seed, step)`` and the blend, and a
 blend of one source draws exactly what that file alone draws.
 
