@@ -47,7 +47,8 @@ MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest
 .PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster test-hang warm bench bench-cluster docs clean
 
 help:
-	@echo "make run    - the main job: train the GPT on 4 ranks, outputs under runs/train"
+	@echo "make run    - the main job: tokenize the stdlib corpus (BPE), train the GPT on 4 ranks,"
+	@echo "              outputs under runs/train"
 	@echo "make test   - ruff, serial tests, MPI tests at 2, 3 and 4 ranks, CUDA-simulator tests,"
 	@echo "              torch's distributed test suite on the mpidist backend, every benchmark at its"
 	@echo "              smallest size, Slurm, virtual cluster"
@@ -107,9 +108,18 @@ $(TORCH_STAMP): $(DEPS_STAMP)
 	@$(PY) -c "import expecttest" 2>/dev/null || $(PY) -m pip install -q expecttest || true
 	@$(PY) -c "import torch" 2>/dev/null && touch $@ || true
 
+# The main job: the standard-library corpus tokenized with a byte-level BPE of RUN_VOCAB
+# tokens (kept while its inputs and tokenizer stay the same), the GPT trained on the token
+# file, then a sample. RUN_ARGS: more `mpidist train` flags (they win over these).
+RUN_VOCAB ?= 1024
+RUN_DATA ?= runs/data/stdlib-bpe$(RUN_VOCAB).h5
+RUN_OUT ?= runs/train
+RUN_STEPS ?= 450
 run: warm
-	$(MPIEXEC) -n $(NP) $(BIN)/mpidist train --out runs/train --overwrite $(RUN_ARGS)
-	$(BIN)/mpidist sample runs/train --prompt "def main(" --tokens 160
+	mkdir -p $(dir $(RUN_DATA))
+	$(MPIEXEC) -n $(NP) $(BIN)/mpidist prepare --stdlib --tokenizer bpe:$(RUN_VOCAB) --out $(RUN_DATA) --reuse --overwrite --no-progress
+	$(MPIEXEC) -n $(NP) $(BIN)/mpidist train --data $(RUN_DATA) --out $(RUN_OUT) --steps $(RUN_STEPS) --overwrite $(RUN_ARGS)
+	$(BIN)/mpidist sample $(RUN_OUT) --prompt "def main(" --tokens 64
 
 lint: setup
 	$(BIN)/ruff check mpidist tests benchmarks examples

@@ -2,7 +2,7 @@
 and memory that do not grow with the data.
 
     python benchmarks/data.py [--text-mb 256] [--big-gib 10] [--text-gib 1] [--ranks 2]
-        [--dir DIR] [--only prepare,tokens,text] [--smallest] [--json FILE]
+        [--dir DIR] [--only prepare,tokens,text,blend] [--smallest] [--json FILE]
 
 * prepare: ``--text-mb`` of text (the standard library's sources as JSON Lines documents)
   through ``mpiexec -n 1`` and ``-n 2 mpidist prepare`` end to end (launch, tokenization,
@@ -16,9 +16,16 @@ and memory that do not grow with the data.
   against one of 10 MiB, alternating: the time from launch to the first training step
   (goal: within 1.1x) and each rank's anonymous memory (RssAnon from /proc/self/status:
   mapped file pages are the page cache's; goal: within +64 MiB), and the time the ranks
-  spend making batches as a fraction of the step (goal: < 2%) with `make run`'s model.
+  spend making batches as a fraction of the step (goal: < 2%) with the GPT of
+  :data:`GPT_4X128` (4 x 128, global batch 32 x 64 tokens: the model of `make run`'s
+  first versions, kept so that the figures stay comparable).
 * text: the same for ``--text-gib`` GiB of plain text against 10 MiB, first with an empty
   data cache (the text is checked and hashed once), then with the cache the first run left.
+
+* blend: the same training probe on a blend of three token files (weights 0.5, 0.3, 0.2)
+  against one of them alone, alternating: the time the ranks spend drawing each step's
+  samples (the sources by the weights, the windows per source) and reading them, as a
+  fraction of the step, and the blend's against the one file's (goal: < 2% of the step).
 
 ``--smallest`` runs every part at a tiny size (as ``make test`` does) to check the script.
 """
@@ -39,8 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-MODEL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64",
-         "--global-batch", "32"]  # make run's GPT
+#: The GPT of the training probes: 4 x 128, global batch 32 x 64 tokens (TrainConfig's
+#: defaults; `make run`'s model while it trained on bytes), named so that its figures stay
+#: comparable whatever `make run` trains.
+GPT_4X128 = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64",
+             "--global-batch", "32"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -202,12 +212,20 @@ make = loop.make_data
 def make_data(cfg, comm=None):
     train, val = make(cfg, comm)
     rec['rss_after_data'] = rss()
-    batch = train.batch
+    batch, sampler = train.batch, train.sampler
     def timed(idx):
         t = time.perf_counter(); out = batch(idx); rec['data'] += time.perf_counter() - t
         rec['batches'] += 1
         return out
-    train.batch = timed
+    def timed_sampler(*args, **kwargs):
+        s = sampler(*args, **kwargs)
+        draw = s.next_local
+        def next_local(*a, **k):
+            t = time.perf_counter(); out = draw(*a, **k); rec['data'] += time.perf_counter() - t
+            return out
+        s.next_local = next_local
+        return s
+    train.batch, train.sampler = timed, timed_sampler
     return train, val
 loop.make_data = make_data
 args = json.loads(sys.argv[1])
@@ -219,11 +237,16 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 """
 
 
-def train_probe(data: Path, out: Path, ranks: int, steps: int, env: dict) -> dict:
-    """Launch training; the time to its first step and each rank's memory and data time."""
-    cfg = {"data": str(data), "out": str(out), "steps": steps, "eval_interval": 0,
+def train_probe(data: Path | list, out: Path, ranks: int, steps: int, env: dict) -> dict:
+    """Launch training (``data``: a file, or a blend's ``[[weight, path], ...]``); the time
+    to its first step and each rank's memory and data time (drawing and reading)."""
+    cfg = {"out": str(out), "steps": steps, "eval_interval": 0,
            "checkpoint_interval": 0, "progress": False, "overwrite": True}
-    for flag, value in zip(MODEL[::2], MODEL[1::2], strict=True):
+    if isinstance(data, list):
+        cfg["data_blend"] = data
+    else:
+        cfg["data"] = str(data)
+    for flag, value in zip(GPT_4X128[::2], GPT_4X128[1::2], strict=True):
         cfg[flag[2:].replace("-", "_")] = int(value)
     t0 = time.time()
     proc = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, "-c", PROBE,
@@ -282,7 +305,7 @@ def bench_start(work: Path, kind: str, big_bytes: int, ranks: int, rounds: int,
             results[label].append(train_probe(paths[label], work / f"run-{label}", ranks,
                                               steps, env))
     print(f"{kind}: {big_bytes / 2**30:.2f} GiB against 10 MiB, mpidist train at {ranks} "
-          f"ranks, make run's GPT:")
+          f"ranks, GPT_4X128:")
     if kind == "text":
         _compare("first start (data cache empty)", results["small"][:1], results["big"][:1])
         _compare("started again", results["small"][1:], results["big"][1:])
@@ -291,6 +314,35 @@ def bench_start(work: Path, kind: str, big_bytes: int, ranks: int, rounds: int,
     for label in paths:
         os.remove(paths[label])
     return {"big_bytes": big_bytes, "rounds": results}
+
+
+def bench_blend(work: Path, size: int, ranks: int, rounds: int, steps: int) -> dict:
+    """Data time per step of a blend of three token files against one of them alone."""
+    files = [work / f"source{i}.h5" for i in range(3)]
+    for i, path in enumerate(files):
+        synthetic_token_file(path, size // 2, seed=10 + i)
+    blend = [[0.5, str(files[0])], [0.3, str(files[1])], [0.2, str(files[2])]]
+    results: dict[str, list[dict]] = {"one": [], "blend": []}
+    for _ in range(rounds):
+        for label, data in (("one", files[0]), ("blend", blend)):
+            results[label].append(train_probe(data, work / f"run-{label}", ranks, steps,
+                                              _env()))
+
+    def med(label: str, key: str) -> float:
+        return float(np.median([r[key] for r in results[label]]))
+
+    print(f"blend: data time (drawing the samples and reading them) per step of a blend of 3 "
+          f"token files of {size / 2**20:.0f} MiB against one alone, mpidist train at "
+          f"{ranks} ranks, GPT_4X128 (median of {rounds}):")
+    for label, name in (("one", "one file"), ("blend", "blend of 3")):
+        data, step = med(label, "data_per_step_s"), med(label, "step_s")
+        print(f"  {name}: {1e3 * data:.3f} ms of a {1e3 * step:.0f} ms step = "
+              f"{100 * data / step:.2f}%")
+    ratio = med("blend", "data_per_step_s") / med("one", "data_per_step_s")
+    print(f"  blend / one file: {ratio:.2f}x the data time")
+    for path in files:
+        os.remove(path)
+    return {"size": size, "rounds": results}
 
 
 def make_text(path: Path, size: int) -> None:
@@ -316,12 +368,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="training steps of each start")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--only", default="prepare,tokens,text")
+    ap.add_argument("--only", default="prepare,tokens,text,blend")
+    ap.add_argument("--blend-mib", type=float, default=64, help="size of each blend source")
     ap.add_argument("--smallest", action="store_true", help="every part at a tiny size")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.smallest:
         args.text_mb, args.big_gib, args.text_gib, args.rounds = 0.25, 0.02, 0.02, 1
+        args.blend_mib = 1
         args.steps = 3
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[0]}")
@@ -337,6 +391,9 @@ def main() -> None:
         if "text" in parts:
             report["text"] = bench_start(work, "text", int(args.text_gib * 2**30), args.ranks,
                                          max(2, args.rounds), args.steps)
+        if "blend" in parts:
+            report["blend"] = bench_blend(work, int(args.blend_mib * 2**20), args.ranks,
+                                          args.rounds, args.steps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     with open("/proc/loadavg") as f:

@@ -1,5 +1,5 @@
 """The flight recorder's cost: ns per MPI call with it, against the traced wrapper alone and
-raw mpi4py, and the MPI calls per training step of ``make run``'s model.
+raw mpi4py, and the MPI calls per training step of the GPT 4x128 (TrainConfig's defaults).
 
     python benchmarks/recorder.py --steps 0                 # the cost per call only
     mpiexec -n 4 python benchmarks/recorder.py [--steps 4]  # and the calls per step
@@ -13,7 +13,8 @@ for comparison, the traced wrapper with a hook whose ``enter`` is a Python metho
 same append. Medians in ns per call.
 
 Calls per step (every rank): ``mpidist train``'s loop (``run_training`` in this process) on
-make run's model (TrainConfig's defaults: GPT 4x128, global batch 32 x 64 tokens) for
+the GPT 4x128 (TrainConfig's defaults, on the embedded byte corpus: GPT 4x128, global batch
+32 x 64 tokens; `make run`'s model while it trained on bytes, kept for comparable figures) for
 ``--steps`` steps under ddp, zero3 and hybrid (pp 2 x tp 2 where the ranks allow, else
 pp 2); the flight recorder's ring gives the MPI calls each rank made in the middle steps
 (the first one warms up, the last one evaluates and checkpoints), the most of any rank.

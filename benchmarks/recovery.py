@@ -4,7 +4,8 @@
                                   [--smallest] [-- more mpidist train flags]
 
 On the fault-tolerance stack (``jobs/ulfm-mpiexec``: Open MPI 5 under ``--with-ft ulfm``;
-``make ulfm``), 4 ranks of ``mpidist train --strategy zero2`` with ``make run``'s model:
+``make ulfm``), 4 ranks of ``mpidist train --strategy zero2`` with :data:`GPT_4X128` (the
+GPT 4 x 128 on the embedded byte corpus, ``make run``'s model while it trained on bytes):
 
 1. **Recovery.** ``--kills`` runs per phase, each with one rank SIGKILLed at that phase of
    step 3 (``MPIDIST_FT_KILL``; the victim varies): the time from the kill to the
@@ -46,6 +47,9 @@ LAUNCHER = REPO / "jobs" / "ulfm-mpiexec"
 PHASES = ("forward", "backward", "update:0", "allgather", "optimizer", "agreement")
 KILL_STEP = 3
 LIMIT = 600
+#: The GPT of the runs: 4 x 128, global batch 32 x 64 tokens (TrainConfig's defaults),
+#: named so that its figures stay comparable whatever `make run` trains.
+GPT_4X128 = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "global_batch": 32}
 
 COPIES = r"""
 import json, sys, time
@@ -262,7 +266,7 @@ def main() -> None:
     if why:
         print(f"benchmarks/recovery.py: skipped: {why}")
         return
-    model = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "global_batch": 32}
+    model = dict(GPT_4X128)
     phases = args.phases.split(",")
     if args.smallest:
         model = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "global_batch": 8}

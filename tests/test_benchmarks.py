@@ -54,9 +54,11 @@ SMOKE: dict[str, Smoke] = {
         2, ("--steps", "2", "--global-batch", "8"),
         # and the meter's check (exact bytes, not a timing)
         ("bytes/step", "DDP bytes/step = 1.000 x 4 bytes x params")),
-    # prepare against the tokenizers library, training start on token files and on text
+    # prepare against the tokenizers library, training start on token files and on text,
+    # the data time of a blend
     "data.py": Smoke(
-        0, ("--smallest", "--dir", "{tmp}"), ("x encode_batch", "first step after")),
+        0, ("--smallest", "--dir", "{tmp}"),
+        ("x encode_batch", "first step after", "blend / one file")),
     "ddp_overhead.py": Smoke(
         2, ("--layers", "2", "--width", "16", "--reps", "2"), ("variant", "x limit")),
     "elastic.py": Smoke(

@@ -21,10 +21,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("prepare", help="tokenize text into one HDF5 token file (under "
                                        "mpiexec: in parallel)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="text files, JSON Lines files (.jsonl), their .gz forms, or "
                         "directories of them (hidden files skipped, files that are not text "
                         "skipped and counted)")
+    p.add_argument("--stdlib", action="store_true",
+                   help="also the standard-library sources of the embedded corpus (what "
+                        "mpidist train uses without --data), each file a document, first")
     p.add_argument("--out", required=True, metavar="FILE", help="the token file to write")
     p.add_argument("--tokenizer", required=True, metavar="T",
                    help="bytes (id = byte value, plus end-of-document 256), bpe:V (a "
@@ -36,6 +39,10 @@ def add_parser(sub: Any) -> None:
                    help="split text files into documents after each occurrence of TEXT "
                         "(default: a text file is one document)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep an existing --out prepared from the same inputs (names, sizes, "
+                        "SHA-256) with the same tokenizer and options; with --overwrite, "
+                        "replace one that differs")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (default: one on rank 0)")
@@ -52,8 +59,16 @@ def _main(args: argparse.Namespace) -> int:
     enable_error_agreement(comm)
     recorder.install()  # a hung prepare dumps what each rank waits for (mpidist doctor)
     recorder.introduce(comm)
-    summary = prepare(args.inputs, args.out, args.tokenizer, text_key=args.text_key,
-                      separator=args.separator, overwrite=args.overwrite,
+    inputs = list(args.inputs)
+    if args.stdlib:
+        from mpidist.data.corpus import stdlib_paths
+
+        inputs = stdlib_paths() + inputs
+    if not inputs:
+        raise ValueError("prepare needs at least one INPUT (files or directories) or "
+                         "--stdlib")
+    summary = prepare(inputs, args.out, args.tokenizer, text_key=args.text_key,
+                      separator=args.separator, overwrite=args.overwrite, reuse=args.reuse,
                       progress=args.progress, comm=comm)
     if comm.Get_rank() != 0:
         return 0
@@ -61,6 +76,12 @@ def _main(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     mb = summary["n_bytes"] / 1e6
+    if summary.get("reused"):
+        print(f"mpidist prepare: {summary['out']}: reused (prepared before from the same "
+              f"inputs with {summary['tokenizer']}): {summary['n_tokens']:,} tokens from "
+              f"{summary['n_documents']:,} documents, {mb:,.1f} MB", flush=True)
+        print(f"content hash {summary['content_hash']}", flush=True)
+        return 0
     print(f"mpidist prepare: {summary['out']}: {summary['n_tokens']:,} tokens "
           f"({summary['tokenizer']}, vocabulary {summary['vocab_size']:,}) from "
           f"{summary['n_documents']:,} documents of {summary['n_sources']} file(s), "

@@ -68,8 +68,10 @@ def _codec(path: str, data: dict[str, Any], tokenizer: str | None, vocab: int) -
         tok = load_tokenizer(tokenizer)
     elif record and record.get("json"):
         tok = Tokenizer.from_record(record)
-    elif data.get("kind") in ("megatron", "nanogpt"):
-        raise ValueError(f"{path}: its data ({data['kind']}'s format) named no tokenizer: "
+    elif data.get("kind") in ("megatron", "nanogpt", "blend"):
+        what = "a blend of Megatron's and nanoGPT's files" if data["kind"] == "blend" else \
+            f"{data['kind']}'s format"
+        raise ValueError(f"{path}: its data ({what}) named no tokenizer: "
                          "give --tokenizer tokenizer.json (the one the data was made with)")
     else:
         return TextCorpus

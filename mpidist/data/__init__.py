@@ -1,8 +1,10 @@
 """Data: world-size-invariant samplers, text corpora of any size, token files (``prepare``
-writes them; Megatron's and nanoGPT's are read as they are), synthetic sets."""
+writes them; Megatron's and nanoGPT's are read as they are), blends of token files,
+synthetic sets."""
 
 from __future__ import annotations
 
+from .blend import BlendedDataset, BlendSampler, open_blend, parse_blend
 from .corpus import STDLIB_FILES, TextCorpus, corpus_bytes
 from .prepare import prepare
 from .sampler import (
@@ -20,6 +22,8 @@ from .tokens import TokenDataset, describe_data, open_token_data
 __all__ = [
     "STDLIB_FILES",
     "ArrayDataset",
+    "BlendSampler",
+    "BlendedDataset",
     "GlobalBatchSampler",
     "TextCorpus",
     "TokenDataset",
@@ -30,7 +34,9 @@ __all__ = [
     "corpus_bytes",
     "describe_data",
     "micro_batches",
+    "open_blend",
     "open_token_data",
+    "parse_blend",
     "prepare",
     "split_points",
     "synthetic_classification",

@@ -43,7 +43,7 @@ from mpidist.data.textfiles import (
 )
 
 __all__ = ["MAX_BYTES", "MAX_CONTROL_FRACTION", "STDLIB_FILES", "VALIDATION_FRACTION",
-           "TextCorpus", "check_text_path", "corpus_bytes", "text_problem"]
+           "TextCorpus", "check_text_path", "corpus_bytes", "stdlib_paths", "text_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,14 @@ STDLIB_FILES: tuple[str, ...] = (  # sorted
 MAX_BYTES = 4 * 1024 * 1024
 
 VOCAB_SIZE = 256
+
+
+def stdlib_paths(files: tuple[str, ...] = STDLIB_FILES) -> list[str]:
+    """The paths of the corpus's files that exist in this Python installation, sorted (what
+    ``mpidist prepare --stdlib`` tokenizes, each file a document). Not collective."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = [os.path.join(root, *rel.split("/")) for rel in sorted(files)]
+    return [p for p in paths if os.path.isfile(p)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -178,6 +186,10 @@ class TextCorpus:
         anything beats it on validation data.
         """
         return entropy(self._train_counts)
+
+    def bytes_per_token(self) -> float:
+        """Bytes of text per token: 1 (the tokens are the bytes)."""
+        return 1.0
 
     def sampler(self, global_batch_size: int, seed: int = 0) -> GlobalBatchSampler:
         """The training sampler of this corpus: every sample once per epoch, in an order

@@ -98,15 +98,16 @@ def _agree(error: str | None, comm: Any) -> None:
 
 
 def _check_arguments(inputs: Sequence[str], out: str, tokenizer: str, text_key: str,
-                     separator: str | None, overwrite: bool) -> None:
+                     separator: str | None, overwrite: bool, reuse: bool) -> None:
     """Pure checks every rank makes alike."""
     if not inputs:
         raise ValueError("prepare needs at least one INPUT (files or directories)")
     if os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a directory; give the token file's name "
                          "(e.g. data.h5)")
-    if os.path.exists(out) and not overwrite:
-        raise ValueError(f"--out {out!r} exists; give --overwrite to replace it")
+    if os.path.exists(out) and not overwrite and not reuse:
+        raise ValueError(f"--out {out!r} exists; give --overwrite to replace it (or --reuse "
+                         "to keep it when it was prepared from the same inputs)")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out!r}: its directory {parent!r} does not exist or is "
@@ -282,11 +283,14 @@ def _tokenize(units: list[Unit], work: list[tuple[int, int, int]], tok: Tokenize
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: str, *, text_key: str = "text",
-            separator: str | None = None, overwrite: bool = False, progress: bool = False,
-            comm: Any = None) -> dict[str, Any]:
+            separator: str | None = None, overwrite: bool = False, reuse: bool = False,
+            progress: bool = False, comm: Any = None) -> dict[str, Any]:
     """Tokenize ``inputs`` into the token file ``out`` (module docstring).
 
     Collective over ``comm`` (None: one process); every rank passes the same arguments.
+    ``reuse``: an existing ``out`` prepared from the same inputs (names, sizes, SHA-256)
+    with the same tokenizer, ``text_key`` and ``separator`` is kept as it is (the summary
+    says ``reused``); one that differs is replaced with ``overwrite``, else refused.
     Bad input (an input that does not exist, is empty or is not text, a JSON Lines line
     that is not JSON or lacks ``text_key``, a tokenizer that does not load, an existing
     ``out`` without ``overwrite``) raises the same ValueError on every rank and leaves
@@ -295,11 +299,22 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str, *, text_key: str = 
     comm = None if comm is None else world(comm)
     size, rank = size_rank(comm)
     t0 = time.perf_counter()
-    _check_arguments(inputs, out, tokenizer, text_key, separator, overwrite)
+    _check_arguments(inputs, out, tokenizer, text_key, separator, overwrite, reuse)
     units, from_dir = list_units(inputs)
     kind, _ = parse_tokenizer_arg(tokenizer)
     tok = load_tokenizer(tokenizer, single_thread=size > 1) if kind == "file" else None
     units, sums, skipped = _scan_units(units, from_dir, comm)
+    if reuse and os.path.exists(out):
+        found = _on_root(lambda: _prepared_alike(
+            out, units, sums, skipped, tokenizer if tok is None else tok.json,
+            text_key=text_key, separator=separator), comm)
+        if found["same"]:
+            return dict(found["summary"], n_sources=len(units), skipped=len(skipped),
+                        ranks=size, seconds=time.perf_counter() - t0, seconds_tokenize=0.0,
+                        reused=True)
+        if not overwrite:
+            raise ValueError(f"--out {out!r} exists and was not prepared from these inputs "
+                             f"alike ({found['why']}); give --overwrite to replace it")
     if tok is None:
         tok = _tokenizer(tokenizer, units, separator, text_key, comm)
     directory = os.path.dirname(os.path.abspath(out))
@@ -348,7 +363,8 @@ def _write(units: list[Unit], sums: list[str], skipped: list[str], tok: Tokenize
             tmp, {"n_tokens": np.int64(n_tokens), "n_documents": np.int64(n_docs),
                   "n_bytes": np.int64(n_bytes), "vocab_size": np.int64(tok.vocab_size),
                   "eod_id": np.int64(-1 if tok.eod_id is None else tok.eod_id),
-                  "tokenizer_name": tok.name},
+                  "tokenizer_name": tok.name, "text_key": text_key,
+                  "separator": separator or ""},
             dtype=tok.dtype, n_tokens=n_tokens, n_documents=n_docs, tokenizer_json=tok.json,
             token_counts=counts,
             sources=[{"name": u.name, "size": u.size, "sha256": s, "documents": int(d)}
@@ -369,7 +385,40 @@ def _write(units: list[Unit], sums: list[str], skipped: list[str], tok: Tokenize
     return {"out": out, "n_tokens": n_tokens, "n_documents": n_docs, "n_bytes": n_bytes,
             "n_sources": len(units), "skipped": len(skipped), "tokenizer": tok.name,
             "vocab_size": tok.vocab_size, "content_hash": value, "ranks": size,
-            "seconds": time.perf_counter() - t0, "seconds_tokenize": seconds_tokenize}
+            "seconds": time.perf_counter() - t0, "seconds_tokenize": seconds_tokenize,
+            "reused": False}
+
+
+def _prepared_alike(out: str, units: list[Unit], sums: list[str], skipped: list[str],
+                    tokenizer: str, *, text_key: str, separator: str | None
+                    ) -> dict[str, Any]:
+    """Whether the token file ``out`` was prepared from ``units`` (names, sizes, SHA-256)
+    with ``tokenizer`` (its ``--tokenizer`` value, or a file's JSON), ``text_key`` and
+    ``separator``: ``{"same", "why", "summary"}``. Not collective (rank 0)."""
+    import h5py
+
+    from mpidist.data.tokenfile import TokenFile
+
+    try:
+        tf = TokenFile(out)
+        with h5py.File(out, "r") as f:
+            src = f["sources"]
+            had = [(p.decode() if isinstance(p, bytes) else str(p), int(b),
+                    h.decode() if isinstance(h, bytes) else str(h))
+                   for p, b, h in zip(src["path"][...], src["bytes"][...],
+                                      src["sha256"][...], strict=True)]
+            had_skipped = [x.decode() if isinstance(x, bytes) else str(x)
+                           for x in f["skipped"][...]]
+            options = (f.attrs.get("text_key"), f.attrs.get("separator"))
+    except (ValueError, KeyError, OSError) as exc:
+        return {"same": False, "why": f"not a readable token file: {exc}"}
+    want = [(u.name, u.size, s) for u, s in zip(units, sums, strict=True)]
+    named = tf.tokenizer_json if tokenizer.startswith("{") else tf.tokenizer_name
+    why = ("other inputs" if had != want or had_skipped != list(skipped) else
+           f"tokenizer {tf.tokenizer_name}" if named != tokenizer else
+           "other --text-key or --separator" if options != (text_key, separator or "")
+           else "")
+    return {"same": not why, "why": why, "summary": dict(tf.summary(), out=out)}
 
 
 def _commit(tmp: str, out: str, overwrite: bool) -> None:

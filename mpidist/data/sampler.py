@@ -337,7 +337,9 @@ class WindowSampler(GlobalBatchSampler):
 
     The same interface as :class:`GlobalBatchSampler` (each data-parallel rank's slice,
     ``state_dict``); an "epoch" is ``n_samples // B`` steps, for the record only. Pure, not
-    collective.
+    collective. ``reweight`` (default False): the data may have changed since the state
+    :meth:`load_state_dict` is given was saved (``--data-reweight``): its step is taken,
+    its size not compared.
     """
 
     def __init__(self, n_samples: int, global_batch_size: int, seed: int = 0) -> None:
@@ -347,6 +349,7 @@ class WindowSampler(GlobalBatchSampler):
         super().__init__(max(n, checked_int(global_batch_size, "global_batch_size")),
                          global_batch_size, seed, drop_last=True)
         self.n_samples = n
+        self.reweight = False
 
     @property
     def steps_per_epoch(self) -> int:
@@ -373,6 +376,8 @@ class WindowSampler(GlobalBatchSampler):
         if not state.get("replacement", False):
             raise ValueError("sampler state is of a sampler without replacement (a text "
                              "corpus); this run samples a token file with replacement")
+        if self.reweight:
+            state = {k: v for k, v in state.items() if k not in ("n_samples", "epoch")}
         super().load_state_dict(state)
 
     def __repr__(self) -> str:

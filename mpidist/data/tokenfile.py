@@ -9,7 +9,8 @@ Root attributes: ``format`` ("mpidist-tokens"), ``format_version`` (1), ``n_toke
   by the end-of-document id when the tokenizer has one;
 * ``document_offsets`` (n_documents + 1,) int64: where each document starts in ``tokens``,
   then ``n_tokens``;
-* ``document_bytes`` (n_documents,) int64: each document's UTF-8 length;
+* ``document_bytes`` (n_documents,) int64: each document's UTF-8 length (optional to a
+  reader: without it, bits per byte is not reported);
 * ``token_counts`` (vocab_size,) int64: occurrences of each id in ``tokens``;
 * ``hash_blocks`` (n_blocks, 32) uint8: SHA-256 of each ``hash_block_bytes`` block of the
   little-endian bytes of ``tokens`` (the last block shorter);
@@ -209,10 +210,26 @@ class TokenFile:
         self.document_offsets = np.memmap(path, dtype="<i8", mode="r",
                                           offset=self._offsets_at,
                                           shape=(self.n_documents + 1,))
+        self.document_bytes = self._map_document_bytes(f, size)
         if self.document_offsets[0] != 0 or self.document_offsets[-1] != self.n_tokens:
             raise ValueError(f"{path}: document_offsets run from "
                              f"{int(self.document_offsets[0])} to "
                              f"{int(self.document_offsets[-1])}, not 0 to {self.n_tokens}")
+
+    def _map_document_bytes(self, f: Any, size: int) -> np.ndarray | None:
+        """The documents' UTF-8 lengths, memory-mapped (None for a file without them: they
+        are optional to a reader, and bits per byte is then not reported)."""
+        ds = f.get("document_bytes")
+        if ds is None or ds.shape != (self.n_documents,) or ds.dtype != np.dtype("<i8"):
+            return None
+        if not self.n_documents:
+            return np.zeros(0, dtype=np.int64)
+        at = _contiguous_offset(ds, self.path, "document_bytes")
+        if at + 8 * self.n_documents > size:
+            raise ValueError(f"{self.path}: truncated: {size} bytes, the document lengths "
+                             f"need {at + 8 * self.n_documents}")
+        return np.memmap(self.path, dtype="<i8", mode="r", offset=at,
+                         shape=(self.n_documents,))
 
     def tokenizer_record(self) -> dict[str, Any]:
         """The tokenizer as :meth:`mpidist.data.tokenizer.Tokenizer.record` makes it."""

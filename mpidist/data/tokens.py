@@ -29,7 +29,7 @@ from mpidist.data.textfiles import count_ids, entropy, scan_text
 from mpidist.data.tokenfile import TokenFile, is_token_file
 
 __all__ = ["TOKEN_VALIDATION_FRACTION", "DataInfo", "TokenDataset", "describe_data",
-           "open_token_data"]
+           "open_token_data", "open_validation", "split_bytes"]
 
 #: Fraction of a token stream (its last documents) held out for validation.
 TOKEN_VALIDATION_FRACTION = 0.01
@@ -100,6 +100,7 @@ class TokenDataset:
         self.split_start, self.split_stop = int(start), int(stop)
         self._all_counts = counts
         self._identity = identity
+        self._text_bytes: float | None = None
         n = self.split_stop - self.split_start - self.block_size
         if n < 1:
             raise ValueError(f"{self.path}: its {split} split has {stop - start} tokens, "
@@ -126,17 +127,41 @@ class TokenDataset:
         """The training sampler: windows drawn with replacement from ``(seed, step)``."""
         return WindowSampler(self._n, global_batch_size, seed=seed)
 
-    def unigram_baseline(self) -> float:
-        """Entropy (nats) of the id frequencies of this split (NaN when the data has no
-        counts)."""
+    def split_counts(self) -> np.ndarray | None:
+        """Occurrences of each id in this split (None when the data has no counts)."""
         if self._all_counts is None:
-            return float("nan")
+            return None
         counts = self._all_counts.copy()
         n = len(self.tokens)
         for lo, hi in ((0, self.split_start), (self.split_stop, n)):
             if hi > lo:
                 counts -= _counts(self.tokens, lo, hi, counts.size)
-        return entropy(counts)
+        return counts
+
+    def unigram_baseline(self) -> float:
+        """Entropy (nats) of the id frequencies of this split (NaN when the data has no
+        counts)."""
+        counts = self.split_counts()
+        return float("nan") if counts is None else entropy(counts)
+
+    def set_text_bytes(self, n_bytes: float) -> None:
+        """Give the UTF-8 bytes of the text this split's tokens encode (``--val-bytes``)."""
+        if not n_bytes > 0:
+            raise ValueError(f"{self.path}: text bytes {n_bytes!r} must be positive")
+        self._text_bytes = float(n_bytes)
+
+    def text_bytes(self) -> float:
+        """UTF-8 bytes of the text this split's tokens encode: from the documents' byte
+        lengths the data records (a document cut by the split counted in proportion to its
+        tokens), or :meth:`set_text_bytes`; NaN when neither."""
+        if self._text_bytes is None:
+            self._text_bytes = split_bytes(self.source, self.split_start, self.split_stop)
+        return self._text_bytes
+
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes of text per token of this split (NaN when unknown): validation loss
+        in bits per byte is ``loss / (ln 2 * bytes_per_token)``."""
+        return self.text_bytes() / (self.split_stop - self.split_start)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint records about the data: kind, content hash, tokenizer."""
@@ -145,6 +170,35 @@ class TokenDataset:
     def __repr__(self) -> str:
         return (f"TokenDataset({self.path!r}, split={self.split!r}, tokens="
                 f"{self.split_stop - self.split_start}, windows={self._n})")
+
+
+def _bytes_from(doc_bytes: np.ndarray, total: int, k: int) -> int:
+    """Bytes of documents ``k`` on, reading the shorter side of the array."""
+    n = len(doc_bytes)
+    if k > n // 2:
+        return int(np.asarray(doc_bytes[k:]).sum())
+    return total - int(np.asarray(doc_bytes[:k]).sum())
+
+
+def split_bytes(source: Any, start: int, stop: int) -> float:
+    """UTF-8 bytes of the text of tokens ``[start, stop)`` of ``source``: whole documents
+    by their recorded lengths, a document cut at ``start`` or ``stop`` in proportion to its
+    tokens; NaN when the source records no document lengths. Reads the document lengths of
+    the shorter side of the cut. Not collective."""
+    doc_bytes = getattr(source, "document_bytes", None)
+    offsets = source.document_offsets
+    if doc_bytes is None or offsets is None or len(offsets) < 2 or stop <= start:
+        return float("nan")
+    total = int(source.n_bytes)
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    end = int(np.searchsorted(offsets, stop, side="left"))  # documents starting before stop
+    inside = _bytes_from(doc_bytes, total, first) - _bytes_from(doc_bytes, total, end)
+    cut = 0.0
+    for d, lo, hi in ((first, int(offsets[first]), start), (end - 1, stop, int(offsets[end]))):
+        doc_tokens = int(offsets[d + 1]) - int(offsets[d])
+        if hi > lo and doc_tokens:
+            cut += int(doc_bytes[d]) * (hi - lo) / doc_tokens
+    return float(inside - cut)
 
 
 def _open_source(info: DataInfo, comm: Any) -> tuple[Any, dict[str, Any], np.ndarray | None]:
@@ -164,12 +218,14 @@ def _open_source(info: DataInfo, comm: Any) -> tuple[Any, dict[str, Any], np.nda
 
 
 def open_token_data(info: DataInfo, block_size: int, *, val: DataInfo | None = None,
-                    comm: Any = None) -> tuple[TokenDataset, TokenDataset]:
+                    comm: Any = None, val_bytes: float | None = None
+                    ) -> tuple[TokenDataset, TokenDataset]:
     """The train and validation splits of a token file (module docstring).
 
     Collective over ``comm`` (a Megatron or nanoGPT file is hashed between the ranks the
-    first time it is used). Raises the same ValueError on every rank for a split too small
-    for one window or a ``val`` of another tokenizer.
+    first time it is used). ``val_bytes``: the UTF-8 bytes of the validation text, for
+    data that records none (``--val-bytes``). Raises the same ValueError on every rank for
+    a split too small for one window or a ``val`` of another tokenizer.
     """
     src, ident, counts = _open_source(info, comm)
     n = src.n_tokens
@@ -182,18 +238,30 @@ def open_token_data(info: DataInfo, block_size: int, *, val: DataInfo | None = N
         ident["validation"] = f"held out from token {cut}"
         train = TokenDataset(src, "train", block_size, start=0, stop=cut, counts=counts,
                              identity=ident)
-        return train, TokenDataset(src, "validation", block_size, start=cut, stop=n,
-                                   counts=None, identity=ident)
+        valid = TokenDataset(src, "validation", block_size, start=cut, stop=n, counts=None,
+                             identity=ident)
+    else:
+        valid = open_validation(val, block_size, ident, data=info.path, comm=comm)
+        train = TokenDataset(src, "train", block_size, start=0, stop=n, counts=counts,
+                             identity=ident)
+    if val_bytes is not None:
+        valid.set_text_bytes(val_bytes)
+    return train, valid
+
+
+def open_validation(val: DataInfo, block_size: int, identity: dict[str, Any], *, data: str,
+                    comm: Any = None) -> TokenDataset:
+    """The whole token file ``val`` as the validation split of ``data`` (whose identity,
+    updated here, is ``identity``). Collective over ``comm`` as :func:`open_token_data`;
+    ValueError when its tokenizer is not ``data``'s."""
     vsrc, vident, _ = _open_source(val, comm)
-    mine, theirs = ident.get("tokenizer"), vident.get("tokenizer")
+    mine, theirs = identity.get("tokenizer"), vident.get("tokenizer")
     if (mine or {}).get("json") != (theirs or {}).get("json"):
         raise ValueError(f"--val-data {val.path}: its tokenizer differs from that of "
-                         f"--data {info.path}")
-    ident["validation"] = vident["hash"]
-    train = TokenDataset(src, "train", block_size, start=0, stop=n, counts=counts,
-                         identity=ident)
-    return train, TokenDataset(vsrc, "validation", block_size, start=0, stop=vsrc.n_tokens,
-                               counts=None, identity=ident)
+                         f"--data {data}")
+    identity["validation"] = vident["hash"]
+    return TokenDataset(vsrc, "validation", block_size, start=0, stop=vsrc.n_tokens,
+                        counts=None, identity=identity)
 
 
 def largest_id(ds: TokenDataset) -> int:

@@ -538,7 +538,9 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         from mpidist.data import GlobalBatchSampler
 
         model.sync_compute_parameters()
-        sampler = GlobalBatchSampler(len(data), global_batch_size, seed=seed)
+        own = getattr(data, "eval_sampler", None)  # a blend draws its sources in proportion
+        sampler = own(global_batch_size, seed) if own is not None else \
+            GlobalBatchSampler(len(data), global_batch_size, seed=seed)
         loss = model.stage_loss(self.loss)
         total = np.zeros(1)
         for step in range(batches):

@@ -97,7 +97,8 @@ def make_model(cfg: TrainConfig) -> Any:
 
 def make_data(cfg: TrainConfig, comm: Any = None) -> tuple[Any, Any]:
     """The train and validation splits: the embedded corpus, a text ``--data``
-    (:class:`~mpidist.data.TextCorpus`) or a token file (:mod:`mpidist.data.tokens`).
+    (:class:`~mpidist.data.TextCorpus`), a token file (:mod:`mpidist.data.tokens`) or a
+    blend of token files (:mod:`mpidist.data.blend`).
 
     Collective over ``comm`` for a token file (``--data-verify`` checks its hash between the
     ranks; a Megatron or nanoGPT file is hashed between them on first use); None: every
@@ -107,8 +108,9 @@ def make_data(cfg: TrainConfig, comm: Any = None) -> tuple[Any, Any]:
     from mpidist.data import TextCorpus
     from mpidist.data.tokens import describe_data, largest_id, open_token_data
 
+    blend = cfg.data_blend
     info = None if cfg.data is None else describe_data(cfg.data, binary=cfg.data_binary)
-    if info is None or not info.is_tokens:
+    if blend is None and (info is None or not info.is_tokens):
         return (TextCorpus(cfg.block_size, split="train", path=cfg.data,
                            binary=cfg.data_binary),
                 TextCorpus(cfg.block_size, split="validation", path=cfg.data,
@@ -117,13 +119,25 @@ def make_data(cfg: TrainConfig, comm: Any = None) -> tuple[Any, Any]:
     if cfg.data_verify:
         from mpidist.data.tokenfile import verify_token_file
 
-        for one in (info, val):
+        every = [describe_data(p) for _, p in blend] if blend is not None else [info]
+        for one in (*every, val):
             if one is not None and one.kind == "tokens":
                 verify_token_file(one.path, comm=comm)
-    train, valid = open_token_data(info, cfg.block_size, val=val, comm=comm)
+    if blend is not None:
+        from mpidist.data.blend import open_blend
+
+        train, valid = open_blend(blend, cfg.block_size, val=val, comm=comm)
+        parts = [*train.datasets, *getattr(valid, "datasets", [valid])]
+        if cfg.val_bytes is not None:
+            valid.set_text_bytes(cfg.val_bytes)
+    else:
+        train, valid = open_token_data(info, cfg.block_size, val=val, comm=comm,
+                                       val_bytes=cfg.val_bytes)
+        parts = [train, valid]
     vocab = cfg.data_vocab()
-    top = max(largest_id(train), largest_id(valid))
-    if top >= vocab:
-        raise ValueError(f"--data {cfg.data} holds token id {top}, outside the vocabulary "
-                         f"of {vocab} (--vocab-size)")
+    for part in parts:
+        top = largest_id(part)
+        if top >= vocab:
+            raise ValueError(f"--data {part.path} holds token id {top}, outside the "
+                             f"vocabulary of {vocab} (--vocab-size)")
     return train, valid

@@ -74,9 +74,12 @@ class TrainConfig:
     block_size: int = 64
     vocab_size: int | None = None
     data: str | None = None
+    data_blend: list | None = None
     data_binary: bool = False
     val_data: str | None = None
+    val_bytes: int | None = None
     data_verify: bool = False
+    data_reweight: bool = False
     checkpoint_interval: int = 200
     checkpoint_async: bool = False
     keep: int = 3
@@ -148,43 +151,76 @@ class TrainConfig:
         if self.global_batch < self.micro_batches:
             raise ValueError(f"--global-batch {self.global_batch} is smaller than "
                              f"--micro-batches {self.micro_batches}")
+        self._check_data_settings()
         self.data_vocab()  # the data is checked (and its vocabulary) before anything runs
+
+    def _check_data_settings(self) -> None:
+        """The data flags together (pure); a blend is put in its canonical form."""
+        if self.data_blend is not None:
+            from mpidist.data.blend import parse_blend
+
+            if self.data is not None:
+                raise ValueError(f"--data {self.data} and --data-blend both given: give one "
+                                 "(a blend of one file is --data-blend 1 PATH)")
+            if self.data_binary:
+                raise ValueError("--data-binary applies to text; --data-blend takes token "
+                                 "files")
+            object.__setattr__(self, "data_blend", parse_blend(self.data_blend))
+        if self.val_bytes is not None:
+            if self.val_bytes < 1:
+                raise ValueError(f"val_bytes={self.val_bytes!r} must be a positive integer")
+            if self.data_blend is not None and self.val_data is None:
+                raise ValueError("--val-bytes names the bytes of one validation file: with "
+                                 "--data-blend it needs --val-data")
 
     def data_vocab(self) -> int:
         """The model's vocabulary: ``vocab_size``, or the data's (256 for text, the
-        tokenizer's for a token file). Reads the data's header, not the data. Raises
-        ValueError when ``--data`` or ``--val-data`` is unusable, when a vocabulary is
-        needed and not given (Megatron's and nanoGPT's files name none), or when
-        ``vocab_size`` is smaller than the data's."""
+        tokenizer's for a token file or a blend that holds one). Reads the data's header,
+        not the data. Raises ValueError when ``--data``, ``--data-blend`` or
+        ``--val-data`` is unusable (a blend of text, or of token files with different
+        tokenizers), when a vocabulary is needed and not given (Megatron's and nanoGPT's
+        files name none), or when ``vocab_size`` is smaller than the data's."""
         from mpidist.data.tokens import describe_data
 
-        info = None if self.data is None else describe_data(self.data,
-                                                            binary=self.data_binary)
+        if self.data_blend is not None:
+            have, named = _blend_vocab(self.data_blend)
+            is_tokens = True
+        else:
+            info = None if self.data is None else describe_data(self.data,
+                                                                binary=self.data_binary)
+            have = 256 if info is None else info.vocab_size
+            is_tokens = info is not None and info.is_tokens
+            named = f"--data {self.data} ({info.kind}'s format)" if info is not None else ""
         if self.val_data is not None:
-            if info is None or not info.is_tokens:
+            if not is_tokens:
                 raise ValueError(f"--val-data {self.val_data} needs a token file as --data "
                                  "(text is split by itself)")
             if not describe_data(self.val_data).is_tokens:
                 raise ValueError(f"--val-data {self.val_data}: not a token file")
-        have = 256 if info is None else info.vocab_size
         if have is None:
             if self.vocab_size is None:
-                raise ValueError(f"--data {self.data} ({info.kind}'s format) names no "
-                                 "tokenizer: give its vocabulary with --vocab-size (GPT-2's "
-                                 "is 50257)")
+                raise ValueError(f"{named} names no tokenizer: give its vocabulary with "
+                                 "--vocab-size (GPT-2's is 50257)")
             return self.vocab_size
         if self.vocab_size is None:
             return have
         if self.vocab_size < have:
-            what = "the 256 byte values of the corpus" if have == 256 and (
-                info is None or not info.is_tokens) else \
-                f"the vocabulary of {self.data}'s tokenizer ({have})"
+            what = "the 256 byte values of the corpus" if have == 256 and not is_tokens \
+                else f"the vocabulary of {self.data or 'the blend'}'s tokenizer ({have})"
             raise ValueError(f"vocab_size={self.vocab_size} is smaller than {what}")
         return self.vocab_size
 
     @classmethod
     def from_sources(cls, toml: dict[str, Any], flags: dict[str, Any]) -> TrainConfig:
         """Defaults, overridden by the TOML file, overridden by the flags given."""
+        toml = dict(toml)
+        if isinstance(toml.get("data"), list):  # data = [{path = ..., weight = ...}, ...]
+            if "data_blend" in toml:
+                raise ValueError("config file: data (a list) and data_blend both given")
+            toml["data_blend"] = toml.pop("data")
+        if any(flags.get(k) is not None for k in ("data", "data_blend")):
+            toml.pop("data", None)  # the command line's data replaces the file's
+            toml.pop("data_blend", None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(toml) - known)
         if unknown:
@@ -208,7 +244,33 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
     "float | None": (int, float, type(None)), "str | None": (str, type(None)),
     "int | None": (int, type(None)), "bool | str": (bool, str),
+    "list | None": (list, tuple, type(None)),
 }
+
+
+def _blend_vocab(sources: list[list[Any]]) -> tuple[int | None, str]:
+    """The vocabulary of a blend's token files (None: all name none) and the words for an
+    error; ValueError for a source that is text or tokenizers that differ."""
+    from mpidist.data.tokenfile import TokenFile
+    from mpidist.data.tokens import describe_data
+
+    tokenizer, first = None, ""
+    for _, path in sources:
+        info = describe_data(path)
+        if not info.is_tokens:
+            raise ValueError(f"--data-blend {path}: text, not a token file (a blend takes "
+                             f"token files; mpidist prepare {path} --out FILE --tokenizer "
+                             "bytes|bpe:V|tokenizer.json makes one)")
+        if info.kind == "tokens":
+            tf = TokenFile(info.path)
+            if tokenizer is None:
+                tokenizer, first = tf, path
+            elif tf.tokenizer_json != tokenizer.tokenizer_json:
+                raise ValueError(f"--data-blend: {path} and {first} were made with "
+                                 "different tokenizers")
+    if tokenizer is None:
+        return None, "--data-blend (Megatron's and nanoGPT's formats)"
+    return tokenizer.vocab_size, "--data-blend"
 
 
 def _check_type(name: str, annotation: Any, value: Any, where: str = "") -> None:
@@ -322,13 +384,24 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "PREFIX.idx, nanoGPT's train.bin) or on a text file or directory of files, "
      "byte-level; none: the embedded corpus. Text must be UTF-8 with few control bytes; "
      "in a directory, other files are skipped"),
+    ("--data-blend", "blend", None,
+     "train on a blend of token files in fixed proportions: WEIGHT PATH WEIGHT PATH ... "
+     "(weights normalized to sum 1; TOML: data = [{path = ..., weight = ...}, ...]); each "
+     "step's samples come from the sources by the weights, the same at every world size"),
     ("--data-binary", "store_const", None,
      "train on the bytes of --data even if they are not text"),
     ("--val-data", str, None,
-     "validation token file (none: documents held out of --data, or nanoGPT's val.bin)"),
+     "validation token file (none: documents held out of --data, or nanoGPT's val.bin; of "
+     "each source of a blend, blended alike)"),
+    ("--val-bytes", int, None,
+     "UTF-8 bytes of the validation text, for bits per byte where the data records none "
+     "(Megatron's and nanoGPT's files)"),
     ("--data-verify", "store_const", None,
      "check the token file's content hash before training (reads it once, split over the "
      "ranks)"),
+    ("--data-reweight", "store_const", None,
+     "on --resume, accept a changed --data-blend (or --data): the position continues, the "
+     "proportions change"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
     ("--checkpoint-async", "store_const", None,
      "write the periodic checkpoints in the background: a save copies the state into host "
@@ -379,6 +452,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         elif kind == "resume":
             p.add_argument(flag, nargs="?", const=True, choices=("auto",), metavar="auto",
                            help=help_text)
+        elif kind == "blend":
+            p.add_argument(flag, nargs="+", metavar="W PATH", help=help_text)
         else:
             p.add_argument(flag, type=kind, choices=choices, help=help_text)
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False,

@@ -27,7 +27,8 @@ def inspect_out(out: str) -> dict[str, Any]:
     """What ``out`` holds, as JSON: ``exists``, ``checkpoints`` (names), ``latest`` (path or
     None), and of the latest checkpoint ``step``, ``world_size``, ``dtype``,
     ``optimizer`` (name), ``train_config`` (the settings ``mpidist train`` stored, or
-    None) and ``data_hash`` (the content hash of the data it was trained on, or None);
+    None), ``data_hash`` (the content hash of the data it was trained on, or None) and
+    ``data`` (its record, without the tokenizer: kind, hash, a blend's sources);
     ``outputs``: the run output files present and not empty; ``error``: why the
     latest checkpoint cannot be read (or ""). Not collective (rank 0 calls it)."""
     from mpidist.checkpoint import (
@@ -40,7 +41,7 @@ def inspect_out(out: str) -> dict[str, Any]:
     state: dict[str, Any] = {"exists": os.path.isdir(out), "checkpoints": [], "latest": None,
                              "step": None, "world_size": None, "dtype": None,
                              "optimizer": None, "train_config": None, "data_hash": None,
-                             "outputs": [], "error": ""}
+                             "data": None, "outputs": [], "error": ""}
     if not state["exists"]:
         return state
     state["checkpoints"] = [os.path.basename(p) for p in list_checkpoints(out)]
@@ -58,6 +59,8 @@ def inspect_out(out: str) -> dict[str, Any]:
     config = extra.get("train_config") if isinstance(extra, dict) else None
     data = extra.get("data") if isinstance(extra, dict) else None
     state["data_hash"] = data.get("hash") if isinstance(data, dict) else None
+    state["data"] = {k: v for k, v in data.items() if k != "tokenizer"} \
+        if isinstance(data, dict) else None
     # The training step (fp16's skipped updates leave the optimizer's count behind).
     state.update(step=int(attrs.get("steps_taken", attrs.get("step", 0))),
                  world_size=attrs.get("world_size"), dtype=attrs.get("dtype"),

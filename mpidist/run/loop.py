@@ -170,11 +170,17 @@ class _Run:
         check_global_batch(cfg, self.model.dp_size)
         # Elastic workers join mid-run, when the others are not there to share the work.
         self.train_data, self.val_data = make_data(cfg, None if self.elastic else self.comm)
-        self.opt.sampler = self.train_data.sampler(cfg.global_batch, seed=cfg.seed)
+        sampler = self.train_data.sampler(cfg.global_batch, seed=cfg.seed)
+        sampler.reweight = cfg.data_reweight  # a changed blend continues at its step
+        self.opt.sampler = sampler
         if self.opening.mode == "resume":
-            check_data_hash(self.opening.state.get("data_hash"),
-                            self.train_data.identity(), cfg.data,
-                            os.path.basename(self.opening.state["latest"]))
+            note = check_data_hash(self.opening.state.get("data_hash"),
+                                   self.train_data.identity(), cfg.data,
+                                   os.path.basename(self.opening.state["latest"]),
+                                   record=self.opening.state.get("data"),
+                                   reweight=cfg.data_reweight)
+            if note and self.is_root():
+                print(f"mpidist train: {note}", flush=True)
         if not self.joiner:
             start = self._maybe_resume()
             self._start(start)
@@ -312,7 +318,15 @@ class _Run:
         cfg = self.cfg
         self.val_loss = self.opt.evaluate(model, self.val_data, batches=cfg.eval_batches,
                                           global_batch_size=cfg.global_batch, seed=_EVAL_SEED)
-        self.metrics.write(step=step, loss=self.val_loss, split="validation")
+        bpb = self._bits_per_byte(self.val_loss)
+        self.metrics.write(step=step, loss=self.val_loss, split="validation",
+                           **({"bits_per_byte": bpb} if np.isfinite(bpb) else {}))
+
+    def _bits_per_byte(self, loss: float) -> float:
+        """Validation loss in bits per UTF-8 byte of text (NaN where the data records no
+        bytes): nats per token / (ln 2 * bytes per token)."""
+        per = getattr(self.val_data, "bytes_per_token", None)
+        return float(loss / (np.log(2.0) * per())) if per is not None else float("nan")
 
     def _save(self, step: int, final: bool = False, **event: Any) -> None:
         """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank. A rank
@@ -410,6 +424,7 @@ class _Run:
             "steps_this_run": steps,
             "final_train_loss": loss,
             "final_validation_loss": self.val_loss,
+            "final_validation_bits_per_byte": _or_none(self._bits_per_byte(self.val_loss)),
             "unigram_baseline": self.train_data.unigram_baseline(),
             "tokens_per_second": tokens_per_step * steps / seconds if steps else 0.0,
             "seconds": seconds,
@@ -428,6 +443,10 @@ class _Run:
             summary["inner_strategy"] = self.opt.inner_strategy
             summary["changes"] = [h for h in self.opt.history if h["event"] != "refused"]
         return summary
+
+
+def _or_none(value: float) -> float | None:
+    return value if np.isfinite(value) else None
 
 
 class _BetweenSteps:

@@ -98,6 +98,8 @@ def _fresh(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(
         cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps, vocab_size=cfg.data_vocab(),
         data=os.path.abspath(cfg.data) if cfg.data else None,
+        data_blend=[[w, os.path.abspath(p)] for w, p in cfg.data_blend]
+        if cfg.data_blend else None,
         val_data=os.path.abspath(cfg.val_data) if cfg.val_data else None)
 
 

@@ -131,6 +131,9 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
     print(f"final train loss      {s['final_train_loss']:.4f}")
     print(f"final validation loss {s['final_validation_loss']:.4f}   "
           f"(unigram baseline of the corpus: {s['unigram_baseline']:.4f} nats/token)")
+    if s.get("final_validation_bits_per_byte") is not None:
+        print(f"validation bits/byte  {s['final_validation_bits_per_byte']:.4f}   (the loss per "
+              "byte of text: comparable across tokenizers)")
     if s["final_validation_loss"] == s["final_validation_loss"]:  # not NaN (preempted runs)
         verdict = "below" if s["final_validation_loss"] < s["unigram_baseline"] else "NOT below"
         print(f"validation loss is {verdict} the unigram baseline")

@@ -20,10 +20,12 @@ __all__ = ["BY_HASH", "CADENCE", "FIXED", "LAYOUT", "TUNABLE", "NothingToDo",
            "check_data_hash", "decide_start", "flag", "resolve_settings"]
 
 FIXED = ("dtype", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "optimizer",
-         "global_batch", "seed", "data")
+         "global_batch", "seed", "data", "data_blend")
 #: Settings restored from the checkpoint but not compared as values: the data is compared by
 #: its content hash once it is open (the same data may have moved).
-BY_HASH = ("data",)
+BY_HASH = ("data", "data_blend")
+#: Settings of which one names the data: giving either restores neither.
+DATA = ("data", "data_blend")
 TUNABLE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay",
            "max_grad_norm", "precision")
 LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stages",
@@ -31,7 +33,7 @@ LAYOUT = ("strategy", "pp", "tp", "dp", "zero_stage", "schedule", "virtual_stage
           "topk_ratio", "powersgd_rank", "staleness", "bucket_mb", "min_workers",
           "max_workers")
 CADENCE = ("steps", "checkpoint_interval", "keep", "eval_interval", "eval_batches",
-           "data_binary", "val_data", "data_verify")
+           "data_binary", "val_data", "val_bytes", "data_verify")
 
 
 class NothingToDo(Exception):  # noqa: N818 - not an error: the run is already there
@@ -117,7 +119,8 @@ def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
             f"checkpoint {path} was trained with "
             f"{' '.join(flag(k, stored[k]) for k in clash)}; this run asks for "
             f"{' '.join(flag(k, getattr(cfg, k)) for k in clash)}")
-    restore = [k for k in (*FIXED, *TUNABLE, *CADENCE) if k in stored and k not in given]
+    restore = [k for k in (*FIXED, *TUNABLE, *CADENCE) if k in stored and k not in given
+               and not (k in DATA and given & set(DATA))]
     if "strategy" not in given:
         same_size = state.get("world_size") == world_size
         # The chunks per stage belong to the schedule: a new --schedule brings its own.
@@ -144,14 +147,36 @@ def resolve_settings(cfg: TrainConfig, given: set[str], state: dict[str, Any],
     return new, notes
 
 
+def _blend_words(record: dict[str, Any]) -> str:
+    return " ".join(f"{s['share']:.4g} {os.path.basename(str(s['path']))}"
+                    for s in record.get("sources") or ())
+
+
 def check_data_hash(stored: str | None, identity: dict[str, Any], data: str | None,
-                    checkpoint: str) -> None:
+                    checkpoint: str, *, record: dict[str, Any] | None = None,
+                    reweight: bool = False) -> str | None:
     """Raise ValueError when the data of a resumed run is not the data its checkpoint was
     trained on: their content hashes differ (``stored`` None: a checkpoint from before the
-    hashes were recorded; nothing to compare). Pure."""
+    hashes were recorded; nothing to compare). A blend's hash covers its sources' content
+    hashes and weights. ``record``: the checkpoint's data record (names a blend's sources
+    in the message). ``reweight`` (``--data-reweight``): token data that changed is
+    accepted; the note to print is returned. Pure."""
     found = identity.get("hash")
     if stored is None or found is None or stored == found:
-        return
+        return None
+    was_blend = (record or {}).get("kind") == "blend"
+    now_blend = identity.get("kind") == "blend"
+    before = f"the blend {_blend_words(record or {})}" if was_blend else f"data with hash {stored}"
+    if reweight and identity.get("kind") != "text" and (record or {}).get("kind") != "text":
+        now = f"the blend {_blend_words(identity)}" if now_blend else f"--data {data}"
+        return (f"--data-reweight: {now} instead of {before}; the position (step) "
+                "continues, the proportions change")
+    if now_blend or was_blend:
+        now = f"--data-blend {_blend_words(identity)}" if now_blend else f"--data {data}"
+        raise ValueError(f"{now} is not the data checkpoint {checkpoint} was trained on "
+                         f"({before}; weights normalized, sources compared by content "
+                         "hash): give the same blend, or --data-reweight to continue with "
+                         "the new proportions")
     what = f"--data {data}" if data else "the embedded corpus"
     raise ValueError(f"{what} has content hash {found}, but checkpoint {checkpoint} was "
                      f"trained on data with hash {stored}: give the data it was trained on "
