@@ -27,6 +27,7 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
+from mpidist.core.timeline import span
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.optim.clipping import clip_coefficient
@@ -294,17 +295,20 @@ class ShardedOptimizer(TrainingStateMixin):
         t0 = time.perf_counter()
         local_loss = self.forward_backward(model, x, y)
         t1 = time.perf_counter()
-        model.finish_gradient_sync()
+        with span("gradient sync", "optimizer"):
+            model.finish_gradient_sync()
         t2 = time.perf_counter()
-        scale, skip = self._unscale(model)
-        if self.config.max_grad_norm is not None and not skip:
-            scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
-        if not skip:
-            self.apply_update(scale)
+        with span("update", "optimizer"):  # (clipping's norm, the fused kernels)
+            scale, skip = self._unscale(model)
+            if self.config.max_grad_norm is not None and not skip:
+                scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
+            if not skip:
+                self.apply_update(scale)
         t3 = time.perf_counter()
-        if not skip:
-            model.after_update()
-        loss = self.global_loss(model, local_loss)
+        with span("parameters and loss", "optimizer"):
+            if not skip:
+                model.after_update()
+            loss = self.global_loss(model, local_loss)
         t4 = time.perf_counter()
         self.step_count += 1
         self.timers["compute"] += t1 - t0
