@@ -52,6 +52,7 @@ from mpidist.run.preempt import (
     signal_name,
 )
 from mpidist.run.resume import check_data_hash
+from mpidist.run.timeline import RunTimeline
 
 __all__ = ["EXIT_PREEMPTED", "run_training"]
 
@@ -109,6 +110,7 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
         return summary
     finally:
         if run is not None:
+            run.timeline.close()
             close = getattr(run.opt, "close", None)  # the elastic optimizer's SIGTERM handler
             if close is not None:
                 close()
@@ -143,6 +145,8 @@ class _Run:
         self.preempted = ""
         self.metrics = JsonLines(os.path.join(cfg.out, "metrics.jsonl"), self.is_root)
         self.events = JsonLines(os.path.join(cfg.out, "events.jsonl"), self.is_root)
+        # per-rank times, straggler reports, speed, the trace window (--trace)
+        self.timeline = RunTimeline(cfg, self)
 
     # -- who is who --------------------------------------------------------------------------
     def job_comm(self) -> Any:
@@ -174,14 +178,18 @@ class _Run:
             self._start(start)
         self.progress = Progress(cfg.steps, self.opt.step_count,
                                  enabled=self.is_root() and cfg.progress)
-        hooks: list[Any] = [self]  # metrics etc. after each step, then preemption
+        self.timeline.begin(self.model, self.job_comm(), self.opt.step_count,
+                            joiner=self.joiner)
+        # the step's times (and report) first, then metrics etc., then preemption
+        hooks: list[Any] = [self.timeline, self]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
+        hooks.append(self.timeline.tail)  # the trace window opens and closes last
         t_train = time.perf_counter()
         try:
-            outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
-                                sampler=self.opt.sampler, hooks=hooks)
+            outcome = run_steps(self.opt, self.model, self.timeline.data(self.train_data),
+                                until=cfg.steps, sampler=self.opt.sampler, hooks=hooks)
         finally:
             self.progress.close()
         seconds = time.perf_counter() - t_train
@@ -274,7 +282,8 @@ class _Run:
             self._skipped = scaler.skipped
         tok_s = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         self.metrics.write(step=rec.step, loss=rec.loss, split="train", lr=lr,
-                           seconds=rec.seconds, tokens_per_s=tok_s, **workers)
+                           seconds=rec.seconds, tokens_per_s=tok_s, **workers,
+                           **self.timeline.fields)
         self.progress.update(rec.step, rec.loss, tok_s, workers.get("workers"))
         if not np.isfinite(rec.loss):
             raise FloatingPointError(f"loss became {rec.loss} at step {rec.step}; lower --lr")
@@ -393,6 +402,7 @@ class _Run:
             "setup_seconds": setup,
             "preempted": self.preempted or None,
         }
+        summary.update(self.timeline.finish(comm))  # per-rank times, speed, stragglers
         if self.elastic:
             summary["inner_strategy"] = self.opt.inner_strategy
             summary["changes"] = [h for h in self.opt.history if h["event"] != "refused"]
