@@ -168,9 +168,10 @@ test-conformance: warm
 # Every script in benchmarks/ at its smallest size, MPI ones under `timeout mpiexec -n 2`
 # (tests/test_benchmarks.py, which fails for a script it does not list): each must run and
 # print its table; the figures are not checked. Under a minute on 2 cores (at most 4).
-# gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it.
-test-bench-smoke: warm
-	MPIDIST_BENCH_SMOKE=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
+# gpu_check*.py run in test-gpu-dry, hierarchical.py in test-cluster; torch's skip without it,
+# recovery.py (in-job recovery from a lost rank) without the fault-tolerance stack.
+test-bench-smoke: warm ulfm
+	MPIDIST_BENCH_SMOKE=1 MPIDIST_ULFM_PREFIX="$${MPIDIST_ULFM_PREFIX:-$(abspath $(ULFM_PREFIX))}" timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  tests/test_benchmarks.py
 
 # Hung jobs end to end (tests/run/test_hang.py, which starts its own mpiexec runs): the whole
@@ -224,13 +225,14 @@ docs: $(DOCS_STAMP)
 # (docs/performance.md). BENCH_ENV: e.g. "env -u OPENBLAS_CORETYPE" where a machine sets
 # OpenBLAS variables that slow a current NumPy.
 BENCH_ENV ?=
-bench: warm
+bench: warm ulfm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/collectives.py; done
 	$(BENCH_ENV) $(PY) benchmarks/optimizer_kernels.py
 	$(BENCH_ENV) $(PY) benchmarks/model_step.py
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/ddp_overhead.py; done
 	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/zero_memory.py; done
-	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py; done
+	for n in 1 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/checkpoint_io.py --sections io; done
+	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/checkpoint_io.py --size-mb 512 --repeats 3 --sections async,window,torch
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/pipeline_bubble.py
 	$(BENCH_ENV) $(MPIEXEC) -n 2 $(PY) benchmarks/pipeline_schedules.py
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/elastic.py
@@ -240,6 +242,7 @@ bench: warm
 	for n in 2 4; do $(BENCH_ENV) $(MPIEXEC) -n $$n $(PY) benchmarks/plan_check.py; done
 	$(BENCH_ENV) $(MPIEXEC) -n 4 $(PY) benchmarks/recorder.py
 	$(BENCH_ENV) $(PY) benchmarks/data.py
+	$(BENCH_ENV) $(PY) benchmarks/recovery.py
 
 # Across nodes on the virtual cluster (root; its own namespaces, removed at the end):
 # two-level collectives against the link bound, and the planner's two network levels.
@@ -260,18 +263,20 @@ clean:
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= runs/gpu-check
 GPU_CHECK_ARGS ?=
+GPU_CHECK_TIMEOUT ?= 330
 gpu-check:
-	timeout -k 10 480 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	timeout -k 10 $(GPU_CHECK_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) \
+	  --deadline $$(( $(GPU_CHECK_TIMEOUT) - 20 )) $(GPU_CHECK_ARGS)
 
 # The GPU check's own logic without a GPU (the kernels under Numba's simulator, the rest on
 # CPU tensors), as CI runs it; skipped without torch.
 test-gpu-dry: warm
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  $(MAKE) --no-print-directory gpu-check GPU_PYTHON=$(PY) GPU_CHECK_OUT=runs/gpu-check-dry \
-	    GPU_CHECK_ARGS=--dry-run; \
+	    GPU_CHECK_ARGS=--dry-run GPU_CHECK_TIMEOUT=600; \
 	else echo "make test-gpu-dry: skipped (needs torch: make setup WITH_TORCH=1)"; fi
 
-# Where a package index is reachable: the wheels gpu-check installs (into gpu-wheels/site,
+# Where a package index is reachable: the wheels gpu-check installs (into gpu-wheels/prefix,
 # from these files only) when the GPU machine's mpi4py cannot start MPI. Python 3.12, x86-64.
 GPU_WHEEL_PYTHON ?= 3.12
 gpu-wheels: setup

@@ -31,20 +31,23 @@ LIMIT_S = 120  # one script at its smallest size; most take a few seconds
 class Smoke:
     """How a benchmark runs at its smallest size: ``ranks`` (0: plain python), its options
     (``{tmp}`` is a fresh directory), text of its table's header that its output must hold,
-    whether it needs torch."""
+    whether it needs torch, whether it needs the fault-tolerance stack (``make ulfm``)."""
 
     ranks: int
     args: tuple[str, ...]
     headers: tuple[str, ...]
     torch: bool = False
+    ulfm: bool = False
 
 
 TINY_GPT = ("--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8")
 
 SMOKE: dict[str, Smoke] = {
     "checkpoint_io.py": Smoke(
-        2, ("--size-mb", "1", "--tensors", "8", "--repeats", "1", "--dir", "{tmp}"),
-        ("best s", "throughput ratio")),
+        2, ("--size-mb", "1", "--tensors", "8", "--repeats", "1", "--dir", "{tmp}",
+            "--window-steps", "2"),
+        ("best s", "throughput ratio", "async blocking / (host copy",
+         "async window - plain window")),
     "collectives.py": Smoke(
         2, ("--min-kb", "1024", "--max-mb", "1"), ("mpidist ms", "raw ms")),
     "compression.py": Smoke(
@@ -80,6 +83,10 @@ SMOKE: dict[str, Smoke] = {
     "preemption.py": Smoke(
         0, ("-n", "2", "--strategy", "ddp", "--", *TINY_GPT, "--global-batch", "4"),
         ("signal -> all ranks exited",)),
+    # starts its own jobs: on the ULFM stack (jobs/ulfm-mpiexec) and under the supervisor
+    "recovery.py": Smoke(
+        0, ("--smallest",), ("kill -> next step", "time / none", "supervisor restart"),
+        ulfm=True),
     "recorder.py": Smoke(
         2, ("--calls", "1000", "--rounds", "2", "--steps", "3", *TINY_GPT,
             "--global-batch", "4"), ("ns/call", "calls/step")),
@@ -143,6 +150,10 @@ def test_benchmark_runs_at_its_smallest_size(script: str, tmp_path: Path):
     spec = SMOKE[script]
     if spec.torch and importlib.util.find_spec("torch") is None:
         pytest.skip(f"benchmarks/{script} needs torch (make setup WITH_TORCH=1)")
+    prefix = Path(os.environ.get("MPIDIST_ULFM_PREFIX") or BENCH.parent / ".ulfm")
+    if spec.ulfm and not (prefix / "lib" / "libmpi.so.40").exists():
+        pytest.skip(f"benchmarks/{script} needs Open MPI 5 with fault tolerance at {prefix} "
+                    "(make ulfm)")
     args = [a.replace("{tmp}", str(tmp_path)) for a in spec.args]
     cmd = [sys.executable, str(BENCH / script), *args]
     if spec.ranks:

@@ -7,7 +7,8 @@ collective, atomic and checksummed; loading is each rank reading whatever pieces
 so a checkpoint resharded to any mesh needs no conversion. Format:
 ``docs/checkpoint-format.md``.
 
-* collective over ``comm``: :func:`save_checkpoint`, :func:`read_pieces`,
+* collective over ``comm``: :func:`save_checkpoint` (with ``async_=True`` it returns an
+  :class:`AsyncCheckpoint`, which commits later), :func:`read_pieces`,
   :func:`load_checkpoint`;
 * any single process: :func:`read_metadata`, :func:`read_tensor`, :func:`latest_checkpoint`,
   :func:`list_checkpoints`, :func:`verify_checkpoint`, :func:`inspect`, :func:`export`,
@@ -16,6 +17,7 @@ so a checkpoint resharded to any mesh needs no conversion. Format:
 
 from __future__ import annotations
 
+from mpidist.checkpoint.background import AsyncCheckpoint
 from mpidist.checkpoint.format import (
     CHECKSUM_ALGORITHM,
     FORMAT_NAME,
@@ -55,6 +57,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "LATEST",
+    "AsyncCheckpoint",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

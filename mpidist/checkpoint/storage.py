@@ -251,10 +251,12 @@ class Writeback:
 
 
 def pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype,
-                  writeback: Writeback, sums: tuple[int, int], first: int) -> tuple[int, int]:
+                 writeback: Writeback, sums: tuple[int, int], first: int,
+                 chunk_done: Callable[[int], None] | None = None) -> tuple[int, int]:
     """Write ``data`` as ``stored`` (little-endian) bytes at ``offset`` and return ``sums``
     plus its checksum (elements ``first, first+1, ...``), chunk by chunk: each chunk is
-    summed while it is in cache, written, and handed to ``writeback``."""
+    summed while it is in cache, written, and handed to ``writeback``; then
+    ``chunk_done(bytes)`` is called, if given (it may raise to stop the write)."""
     step = max(1, FUSED_CHUNK_BYTES // stored.itemsize)
     for lo in range(0, data.shape[0], step):
         # No copy for native little-endian data; converts a big-endian chunk.
@@ -268,6 +270,8 @@ def pwrite_array(fd: int, offset: int, data: np.ndarray, stored: np.dtype,
                 raise OSError(f"pwrite wrote {n} bytes at offset {pos}")
             view, pos = view[n:], pos + n
         writeback.wrote(start, pos)
+        if chunk_done is not None:
+            chunk_done(pos - start)
     return sums
 
 

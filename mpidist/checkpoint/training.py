@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.checkpoint.background import wait_in_flight
 from mpidist.checkpoint.format import CheckpointMismatchError, Piece, TensorInfo
 from mpidist.checkpoint.io import (
     checkpoint_path,
@@ -98,13 +99,17 @@ def _on_host(pieces: list[Piece]) -> tuple[list[Piece], list[tuple[Any, np.ndarr
 
 def save_training(directory: str, opt: Any, *, step: int, keep: int | None = None,
                   comm: Any = None, extra: dict[str, Any] | None = None,
-                  path: str | None = None) -> str:
+                  path: str | None = None, async_: bool = False, owner: Any = None) -> Any:
     """Save ``opt``'s model and optimizer state as ``directory/ckpt-<step>.h5``.
 
     Collective over ``comm`` (every rank of the job): each rank writes its own elements.
     The save is atomic and moves the ``latest`` pointer; with ``keep`` only the newest
-    ``keep`` checkpoints stay. Returns the path.
+    ``keep`` checkpoints stay. Returns the path; with ``async_``, the
+    :class:`~mpidist.checkpoint.background.AsyncCheckpoint` of a save that copied the state
+    into host memory (from a GPU too) and writes it in the background (``owner``: the
+    optimizer whose steps poll it, or None; see :func:`~mpidist.checkpoint.io.save_checkpoint`).
     """
+    wait_in_flight(int(opt.step_count))  # the strategy state below may be collective
     model = _model(opt)
     shape = model.mesh.shape
     state = opt.strategy_state_attrs() if _has_state(opt) else {}
@@ -123,6 +128,9 @@ def save_training(directory: str, opt: Any, *, step: int, keep: int | None = Non
     if getattr(opt, "scaler", None) is not None:
         attrs["loss_scale"] = opt.scaler.state_dict()
     target = path if path is not None else checkpoint_path(directory, step)
+    if async_:  # the snapshot copies device pieces to host memory itself
+        return save_checkpoint(target, training_tensors(opt), _pieces(opt, for_writing=True),
+                               attrs, comm=comm, keep=keep, async_=True, owner=owner)
     pieces, _ = _on_host(_pieces(opt, for_writing=True))
     return save_checkpoint(target, training_tensors(opt), pieces, attrs, comm=comm, keep=keep)
 
@@ -137,6 +145,7 @@ def load_training(path: str, opt: Any, *, comm: Any = None, verify: bool = True
     parameters, the optimizer state, the step counts and the data position; returns the
     checkpoint's attributes.
     """
+    wait_in_flight(getattr(opt, "step_count", None))  # a load reads what the save in flight commits
     if os.path.isdir(path):
         found = latest_checkpoint(path)
         if found is None:

@@ -170,19 +170,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from mpidist.core.failure import leave_if_survived
     from mpidist.run.launch.guard import report_failure
 
+    # A process that outlived a lost rank ends without MPI_Finalize (leave_if_survived).
     try:
-        return int(args.func(args) or 0)
+        return leave_if_survived(int(args.func(args) or 0))
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return 0
     except SystemExit as exc:
         if exc.code in (0, None):
             raise
-        raise SystemExit(report_failure(exc, f"mpidist {args.command}")) from None
+        raise SystemExit(leave_if_survived(report_failure(exc, f"mpidist {args.command}"))
+                         ) from None
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line
-        raise SystemExit(report_failure(exc, f"mpidist {args.command}")) from None
+        raise SystemExit(leave_if_survived(report_failure(exc, f"mpidist {args.command}"))
+                         ) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

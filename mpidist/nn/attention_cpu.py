@@ -19,7 +19,8 @@ The probabilities P of every head are written (zero above the diagonal) where th
 keeps them for backward; otherwise the forward leaves only each row's log-sum-exp and the
 backward recomputes the head's P into a (T, T) scratch array. Results equal those of the NumPy
 code to float round-off: the same products in the same blocks, the same softmax formulas.
-Only called where :data:`mpidist.nn.blas.AVAILABLE`. Not collective.
+Only called where :data:`mpidist.nn.blas.AVAILABLE`. The kernels run without the GIL
+(``nogil``). Not collective.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .fused_cpu import FASTMATH, exp_fast, fmax
 
 __all__ = ["attention_backward", "attention_forward"]
 
-_OPTS = {"cache": True, "error_model": "numpy", "fastmath": FASTMATH}
+_OPTS = {"cache": True, "error_model": "numpy", "fastmath": FASTMATH, "nogil": True}
 
 
 @njit(**_OPTS)

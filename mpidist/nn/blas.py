@@ -171,7 +171,7 @@ if llvm is not None:
         return sig, codegen
 
 
-    @njit(cache=True)
+    @njit(cache=True, nogil=True)
     def _add_transposed_product(out, a, b):  # pragma: no cover - compiled
         n, k = a.shape
         m = b.shape[1]

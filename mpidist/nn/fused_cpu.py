@@ -9,7 +9,9 @@ row per chunk of rows, added up at the end in a fixed order, so a result does no
 the threads' scheduling. Each kernel is compiled twice, serial and with ``parallel=True``;
 the serial one runs unless ``MPIDIST_NN_PARALLEL=1`` is set and Numba has more than one
 thread (why: docs/performance.md). Kernels never allocate their outputs (the callers in
-:mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller.
+:mod:`mpidist.nn.fused` do), so the memory they use is visible to the caller. They run
+without the GIL (``nogil``), so another thread of the process (an asynchronous
+checkpoint's writer) is not kept waiting for it while they compute.
 
 In float32, ``exp`` (softmax, cross-entropy, and GELU, computed as ``v sigmoid(2 z)`` rather
 than with a tanh) is a polynomial with an exponent bit-cast (about 1 ulp): no libm call, so
@@ -133,7 +135,7 @@ class _Kernel:
     the parallel one only when Numba has more than one thread."""
 
     def __init__(self, fn: Callable[..., Any], fastmath: Any) -> None:
-        opts = {"cache": True, "error_model": "numpy", "fastmath": fastmath}
+        opts = {"cache": True, "error_model": "numpy", "fastmath": fastmath, "nogil": True}
         self.__doc__ = fn.__doc__
         self.__name__ = fn.__name__
         self.serial = njit(**opts)(fn)
@@ -312,14 +314,14 @@ def gelu_constants(dtype: np.dtype) -> np.ndarray:
     return np.array([2.0 * GELU_C, GELU_A, 3.0 * GELU_A, 1.0, _GELU_LIM], dtype=dtype)
 
 
-@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True, nogil=True)
 def _sigmoid_2z(v, k):  # pragma: no cover - compiled
     """``sigmoid(2 c (v + a v^3)) = (1 + tanh(c (v + a v^3))) / 2``."""
     z2 = k[0] * (v + k[1] * v * v * v)
     return k[3] / (k[3] + exp_fast(min(max(-z2, -k[4]), k[4])))
 
 
-@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True, nogil=True)
 def _gelu_slope(v, s, k):  # pragma: no cover - compiled
     """``gelu_tanh'(v) = s + 2c v s (1 - s) (1 + 3a v^2)`` given ``s = _sigmoid_2z(v, k)``."""
     return s + k[0] * v * s * (k[3] - s) * (k[3] + k[2] * v * v)

@@ -8,7 +8,8 @@
   averaging), :class:`AsyncSGD` (bounded staleness);
 * :class:`Placement` — which rank holds which slice of which tensor, with what padding;
 * :class:`ShardedOptimizer` — the training step; :class:`ElasticOptimizer` — workers that
-  leave and join;
+  leave and join; :mod:`~mpidist.parallel.recovery` — in-job recovery from a lost rank
+  (:class:`MeshChanged`, under MPI's fault tolerance);
 * :data:`STRATEGIES` — the registry of strategy names -> builders that the command line,
   the config, the adapters and elastic training read;
 * the reference system's names (``DDPOptimizer``, ``ZeRO1Optimizer``...,
@@ -16,6 +17,7 @@
   ``AsyncSGDOptimizer``), thin entry points over these parts.
 """
 
+from mpidist.core.failure import ProcessFailure, UnrecoverableFailure
 from mpidist.parallel.compression import Compression
 from mpidist.parallel.config import ShardingConfiguration
 from mpidist.parallel.elastic import ElasticOptimizer
@@ -24,6 +26,7 @@ from mpidist.parallel.exchange import CountingComm
 from mpidist.parallel.hooks import AllReduce, AsyncSGD, GradientHook, LocalSGD, ReduceScatter
 from mpidist.parallel.model import ShardedModel
 from mpidist.parallel.placement import LEVELS, Placement
+from mpidist.parallel.recovery import MeshChanged
 from mpidist.parallel.registry import STRATEGIES
 from mpidist.parallel.strategies import (
     AsyncSGDOptimizer,
@@ -60,12 +63,15 @@ __all__ = [
     "HybridShardedOptimizer",
     "LocalSGD",
     "LocalSGDOptimizer",
+    "MeshChanged",
     "OptimizationResult",
     "Placement",
+    "ProcessFailure",
     "ReduceScatter",
     "ShardedModel",
     "ShardedOptimizer",
     "ShardingConfiguration",
+    "UnrecoverableFailure",
     "ZeRO1Model",
     "ZeRO1Optimizer",
     "ZeRO2Model",

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.checkpoint.background import wait_in_flight
 from mpidist.core.arrays import is_cpu
 from mpidist.core.comms import bcast_json, in_place, mpi, traced, world
 from mpidist.core.mesh import MeshShape
@@ -139,6 +140,9 @@ class ElasticOptimizer(ShardedOptimizer):
 
     :meth:`optimize` is inherited and keeps the membership fixed.
     """
+
+    #: in-job recovery from a lost rank is not built for changing memberships yet
+    supports_recovery = False
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None,
                  min_workers: int = 1, max_workers: int = 1024, *, strategy: str | None = None,
@@ -388,6 +392,9 @@ class ElasticOptimizer(ShardedOptimizer):
         old_comm, old_mesh = self._comm, self._mesh
         old_model = self._require_model()
         me_old = old_comm.Get_rank()
+        # An asynchronous save in flight was written by the old workers: it commits over
+        # them (every old worker waits for its writer) before anything moves.
+        wait_in_flight(self.step_count)
         # The hook's state made fit for the new workers, then the old model's communicators
         # (the hook's with them) freed: the rebuilt model binds the hook anew.
         hook_fields = self.hook.before_resize(self)

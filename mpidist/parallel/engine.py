@@ -24,9 +24,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mpidist.checkpoint.background import in_flight
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
+from mpidist.core.failure import ProcessFailure
 from mpidist.core.timeline import span
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
@@ -38,6 +40,8 @@ from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
 from mpidist.parallel.pipeline import BALANCES, PipelineStage, check_schedule
 from mpidist.parallel.placement import LEVEL_NAMES, LEVELS
 from mpidist.parallel.precision import LossScaler, ScaledLoss
+from mpidist.parallel.recovery import RecoveryMixin
+from mpidist.parallel.redundancy import MODES
 from mpidist.parallel.tensor import check_loss, tensor_parallel_styles, vocab_sharded
 from mpidist.parallel.training_state import TrainingStateMixin
 
@@ -63,7 +67,7 @@ class OptimizationResult:
         return self.losses[-1] if self.losses else float("nan")
 
 
-class ShardedOptimizer(TrainingStateMixin):
+class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
     """One training step of a model sharded at ``level`` over the data-parallel group, its
     gradients communicated by ``hook``, on a (pp, dp, tp) mesh.
 
@@ -89,6 +93,12 @@ class ShardedOptimizer(TrainingStateMixin):
         balance: the pipeline stage split, "uniform" or "parameters".
         tp_plan: the tensor-parallel plan when tp > 1 (see :mod:`mpidist.nn.tp_plan`;
             default: the model's own).
+        redundancy: the copies that let the survivors of a lost rank go on in the job
+            (:mod:`mpidist.parallel.recovery`): "buddy" (ddp and ZeRO-1/2/3 on a dp-only
+            mesh), "none", or None: "buddy" where MPI's fault tolerance (ULFM) is on and the
+            strategy can keep them, else "none". With copies, :meth:`step` raises
+            :class:`~mpidist.parallel.recovery.MeshChanged` after recovering from a lost
+            rank.
 
     Construction is pure: bad values raise ValueError on every rank alike.
     """
@@ -97,13 +107,16 @@ class ShardedOptimizer(TrainingStateMixin):
     base_name: ClassVar[str | None] = None
     #: the level when none is given (the entry points DDPOptimizer... fix theirs)
     default_level: ClassVar[int] = 0
+    #: whether a lost rank can be recovered from in the job (see ``redundancy``)
+    supports_recovery: ClassVar[bool] = True
 
     def __init__(self, base: Optimizer, config: ShardingConfiguration | None = None, *,
                  level: int | None = None, hook: GradientHook | None = None, loss: Any = None,
                  lr_schedule: Any = None, pipeline_parallel_size: int = 1,
                  tensor_parallel_size: int = 1, data_parallel_size: int = -1,
                  schedule: str = "1f1b", balance: str = "uniform", comm: Any = None,
-                 tp_plan: Any = None, virtual_stages: int | None = None) -> None:
+                 tp_plan: Any = None, virtual_stages: int | None = None,
+                 redundancy: str | None = None) -> None:
         if not isinstance(base, Optimizer):
             raise ValueError(
                 f"base={base!r} must be an optimizer from mpidist.optim (SGD, Adam, ...)"
@@ -113,7 +126,14 @@ class ShardedOptimizer(TrainingStateMixin):
             raise ValueError(f"zero_stage={level!r} must be 0, 1, 2 or 3")
         if balance not in BALANCES:
             raise ValueError(f"balance={balance!r} is not one of {BALANCES}")
+        if redundancy is not None and redundancy not in MODES:
+            raise ValueError(f"redundancy={redundancy!r} is not one of {MODES}")
         self.base = base
+        self.redundancy_mode = redundancy
+        #: the copies for in-job recovery (None: a lost rank ends the training)
+        self.redundancy: Any = None
+        #: (step count, sampler position) when the last step began
+        self.step_entry: tuple[int, int | None] = (0, None)
         self.config = config if config is not None else ShardingConfiguration()
         if virtual_stages is not None:
             self.config = self.config.replace(virtual_stages=virtual_stages)
@@ -210,6 +230,7 @@ class ShardedOptimizer(TrainingStateMixin):
         self.state = self.base.init_state(model.state_size, dtype=model.dtype,
                                           device=model.device)
         self._bind_pieces()
+        self.setup_redundancy()
 
     def _bind_pieces(self) -> None:
         self._require_model()
@@ -281,9 +302,20 @@ class ShardedOptimizer(TrainingStateMixin):
         """
         model = self._resolve(model)
         before = self.hook.bytes_sent
+        self.step_entry = (self.step_count, None if self.sampler is None else self.sampler.step)
         set_step(self.step_count + 1)  # what MPI calls record (the flight recorder)
-        with phase("optimizer"):  # forward_backward marks its own phases inside
-            loss = self.hook.step(self, model, batch)
+        try:
+            pending = in_flight()  # save(async_=True): committed once every rank wrote it
+            if pending is not None and pending.owner is self:
+                with phase("checkpoint"):
+                    pending.poll(self.step_count)
+            with phase("optimizer"):  # forward_backward marks its own phases inside
+                red = self.redundancy
+                if red is not None and not red.ready(self, self.step_count + 1):
+                    red.establish(self, self.step_count + 1)
+                loss = self.hook.step(self, model, batch)
+        except ProcessFailure as lost:  # the recovery abandons a save in flight
+            raise self.recover(lost) from lost
         recorder.step_done(self.step_count)
         self.bytes_sent_last_step = self.hook.bytes_sent - before
         return loss
@@ -298,17 +330,22 @@ class ShardedOptimizer(TrainingStateMixin):
         with span("gradient sync", "optimizer"):
             model.finish_gradient_sync()
         t2 = time.perf_counter()
-        with span("update", "optimizer"):  # (clipping's norm, the fused kernels)
-            scale, skip = self._unscale(model)
-            if self.config.max_grad_norm is not None and not skip:
-                scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
+        red, tag = self.redundancy, self.step_count + 1
+        if red is not None:  # the own snapshot (and the gradient shard to the copy's holder)
+            red.before_update(self, tag)
+        scale, skip = self._unscale(model)
+        if self.config.max_grad_norm is not None and not skip:
+            scale *= self.clip_factor(scale * float(np.sqrt(model.grad_sq_norm())))
+        with phase("update"):
             if not skip:
                 self.apply_update(scale)
+            if red is not None:  # the neighbour's copy, updated alike
+                red.after_update(self, tag, scale, skip)
         t3 = time.perf_counter()
-        with span("parameters and loss", "optimizer"):
-            if not skip:
+        if not skip:
+            with phase("allgather"):  # levels 1-2: the updated shards to every replica
                 model.after_update()
-            loss = self.global_loss(model, local_loss)
+        loss = self.global_loss(model, local_loss)
         t4 = time.perf_counter()
         self.step_count += 1
         self.timers["compute"] += t1 - t0
@@ -434,7 +471,10 @@ class ShardedOptimizer(TrainingStateMixin):
                  ) -> OptimizationResult:
         """Train for ``steps`` steps on ``data`` (anything with ``len`` and ``batch(idx)``).
 
-        Collective over the dp group. Batches come from a
+        Collective over the dp group. Where a lost rank is recovered from in the job (see
+        ``redundancy``), the survivors redo the interrupted step and go on: the result is
+        the one the run would have had without the failure, and :attr:`model` is the
+        survivors' model. Batches come from a
         :class:`~mpidist.data.GlobalBatchSampler` (given, or made from ``global_batch_size``
         and ``seed``), so the trajectory is the same at every data-parallel size.
         ``callback(step, loss)`` runs after each step on every rank.
@@ -454,6 +494,7 @@ class ShardedOptimizer(TrainingStateMixin):
             self._data_state = None
         self.sampler = sampler
         result = OptimizationResult()
+        first = self.step_count
 
         class _Record:
             def after_step(self, model: Any, rec: Any) -> None:
@@ -463,6 +504,17 @@ class ShardedOptimizer(TrainingStateMixin):
                 result.tokens += rec.tokens
                 if callback is not None:
                     callback(rec.step, rec.loss)
+
+            def mesh_changed(self, model: Any, changed: Any) -> None:
+                # a lost rank: the steps after changed.step are redone (and recorded again)
+                drop = max(0, len(result.losses) - (changed.step - first))
+                if drop:
+                    share = result.samples // max(result.steps, 1), \
+                        result.tokens // max(result.steps, 1)
+                    del result.losses[len(result.losses) - drop:]
+                    result.steps -= drop
+                    result.samples -= drop * share[0]
+                    result.tokens -= drop * share[1]
 
         t0 = time.perf_counter()
         run_steps(self, model, data, until=self.step_count + int(steps), sampler=sampler,
@@ -540,6 +592,8 @@ class ShardedOptimizer(TrainingStateMixin):
         out["optimizer_state"] = int(sum(b.nbytes for b in self.state.buffers.values()))
         out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"]
         extra = self.hook.extra_memory()
+        if self.redundancy is not None:  # the snapshot and the buddy's copy (host memory)
+            extra["redundancy"] = self.redundancy.nbytes()
         out.update(extra)
         out["total"] += sum(extra.values())
         return out

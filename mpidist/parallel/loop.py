@@ -12,9 +12,16 @@ A hook is any object with some of these methods (each optional):
 * ``between_steps(model, record) -> model | None`` — after every ``after_step`` of the
   step, before the next one (also after the last step); returns the model to train on next
   (a new object after an elastic resize) or None to stop the loop on this rank (a worker
-  that left the job, or a preempted run after its checkpoint).
+  that left the job, or a preempted run after its checkpoint);
+* ``mesh_changed(model, changed)`` — after in-job recovery from a lost rank
+  (:class:`~mpidist.parallel.recovery.MeshChanged`), on every survivor, with the new model;
+  the loop goes on from step ``changed.step + 1``.
 
-Hooks run in order; a hook that stops the loop skips those after it.
+Hooks run in order; a hook that stops the loop skips those after it. A lost rank seen in a
+step or in a hook (:class:`~mpidist.core.failure.ProcessFailure`, under MPI's fault
+tolerance) is recovered from by the optimizer
+(:meth:`~mpidist.parallel.engine.ShardedOptimizer.recover`): the loop redoes the steps that
+not every survivor completed.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LoopOutcome", "StepRecord", "run_steps"]
+from mpidist.core.failure import ProcessFailure
+from mpidist.parallel.recovery import MeshChanged
+
+__all__ = ["LoopOutcome", "StepRecord", "recover_in_loop", "run_steps"]
 
 
 @dataclass(frozen=True)
@@ -60,24 +70,43 @@ def run_steps(opt: Any, model: Any, data: Any, *, until: int, sampler: Any,
     local counter, so that workers joining an elastic job mid-run run the same loop.
     """
     steps = 0
+    first = opt.step_count
     last: StepRecord | None = None
     after = [h.after_step for h in hooks if hasattr(h, "after_step")]
     between = [h.between_steps for h in hooks if hasattr(h, "between_steps")]
     while opt.step_count < until:
-        t0 = time.perf_counter()
-        idx = sampler.next_local(model.dp_rank, model.dp_size)
-        x, y = data.batch(idx)
-        loss = opt.step(model, (x, y))
-        last = StepRecord(step=int(opt.step_count), loss=float(loss),
-                          seconds=time.perf_counter() - t0,
-                          samples=sampler.global_batch_size,
-                          tokens=int(np.asarray(y).size) // max(len(idx), 1)
-                          * sampler.global_batch_size)
-        steps += 1
-        for fn in after:
-            fn(model, last)
-        for fn in between:
-            model = fn(model, last)
-            if model is None:
-                return LoopOutcome(None, steps, last, True)
+        try:
+            t0 = time.perf_counter()
+            idx = sampler.next_local(model.dp_rank, model.dp_size)
+            x, y = data.batch(idx)
+            loss = opt.step(model, (x, y))
+            last = StepRecord(step=int(opt.step_count), loss=float(loss),
+                              seconds=time.perf_counter() - t0,
+                              samples=sampler.global_batch_size,
+                              tokens=int(np.asarray(y).size) // max(len(idx), 1)
+                              * sampler.global_batch_size)
+            steps += 1
+            for fn in after:
+                fn(model, last)
+            for fn in between:
+                model = fn(model, last)
+                if model is None:
+                    return LoopOutcome(None, steps, last, True)
+        except (MeshChanged, ProcessFailure) as lost:
+            changed = lost if isinstance(lost, MeshChanged) else recover_in_loop(opt, lost)
+            model = changed.model
+            steps = max(0, opt.step_count - first)  # the steps redone count once
+            for h in hooks:
+                if hasattr(h, "mesh_changed"):
+                    h.mesh_changed(model, changed)
     return LoopOutcome(model, steps, last, False)
+
+
+def recover_in_loop(opt: Any, lost: ProcessFailure) -> MeshChanged:
+    """The optimizer's recovery from ``lost``, a failure seen outside its step (in a hook
+    or after the loop); ``lost`` again where the optimizer cannot recover. Collective over
+    the survivors."""
+    recover = getattr(opt, "recover", None)
+    if recover is None:
+        raise lost
+    return recover(lost)

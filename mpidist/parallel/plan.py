@@ -30,6 +30,13 @@ N nodes with L of its ranks on each runs mpidist's two-level collectives
 shared by all collectives of the same kind running on the node, and at most ``inter_bw`` per
 device) run as a pipeline of pieces, so the slower of the two counts. Nothing else is
 assumed overlapped, so the times are upper bounds for well-overlapped implementations.
+
+Copies for in-job recovery (``--redundancy buddy``, :mod:`mpidist.parallel.redundancy`), in
+host memory, not counted in what must fit on the device (``copies_gb``): with ``W`` bytes
+of stored parameter (the fp32 master where there is one) and ``M`` of moments, DDP keeps a
+snapshot of everything, ``(W + M)·Ψ``; ZeRO its shard's snapshot and a double-buffered copy
+of its neighbour's, ``3·(W + M)·Ψ/dp``, plus the neighbour's gradient shard at stages 2-3,
+``g·Ψ/dp``. Layouts with pp or tp > 1 keep none (in-job recovery covers data parallelism).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ __all__ = [
     "allreduce_time",
     "group_time",
     "bytes_per_parameter",
+    "copies_bytes",
     "main",
     "model_state_bytes",
     "parse_count",
@@ -128,6 +136,22 @@ def model_state_bytes(params: float, *, precision: str = "mixed", optimizer: str
     """Model-state bytes on one device for ``params`` parameters split over tp·pp and
     sharded over dp according to ``zero_stage``."""
     return params / (tp * pp) * bytes_per_parameter(precision, optimizer, zero_stage, dp)
+
+
+def copies_bytes(params: float, *, precision: str = "mixed", optimizer: str = "adam",
+                 zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1) -> float:
+    """Host bytes of the copies in-job recovery keeps on one device (see the module
+    docstring); 0 where the layout keeps none (pp or tp > 1)."""
+    if tp * pp > 1:
+        return 0.0
+    p, g, master, moment, _ = _precision(precision)
+    own = params * ((master or p) + moment * _moments(optimizer))
+    if zero_stage == 0:
+        return float(own)
+    if dp == 1:
+        return own / dp
+    grads = params * g / dp if zero_stage >= 2 else 0.0
+    return 3 * own / dp + grads
 
 
 def allreduce_time(nbytes: float, n: int, alpha: float, beta: float) -> float:
@@ -409,14 +433,13 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
             micro-batches are not a multiple of ``pp``, are skipped for it).
 
     Rows carry ``pp, tp, dp, zero_stage, micro_batches, schedule, virtual_stages, recompute,
-    params_per_device,
-    model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s, tp_comm_s, pp_comm_s,
-    step_time_s, fits``.
+    params_per_device, model_state_gb, activation_gb, total_gb, compute_s, dp_comm_s,
+    tp_comm_s, pp_comm_s, step_time_s, fits, copies_gb`` (the copies of in-job recovery in
+    host memory, not in ``fits``; see the module doc).
     """
     cluster, layers, hidden, heads, global_batch, max_tp, act_bytes, p_bytes, g_bytes = \
         _plan_inputs(params, devices, optimizer, precision, layers, hidden, heads, seq_len,
                      micro_batch, global_batch, cluster, zero_stages, max_tp, cluster_fields)
-
     rows = []
     for pp in _divisors(devices):
         if layers % pp:
@@ -454,6 +477,8 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                 states = psi * bytes_per_parameter(precision, optimizer, z, dp)
                 g_all, p_all = psi * g_bytes, psi * p_bytes
                 dp_comm = zero_sync_time(z, g_all, p_all, m, sync)
+                copies = copies_bytes(psi, precision=precision, optimizer=optimizer,
+                                      zero_stage=z, dp=dp, tp=tp, pp=pp) / GB
                 for sched, v, rc in _pipeline_choices(pp, schedules, recompute,
                                                       virtual_stages):
                     if v > 1 and (layers % (pp * v) or m % pp):
@@ -464,7 +489,8 @@ def plan(params: float, devices: int, *, optimizer: str = "adam", precision: str
                     rows.append(_row(
                         {"pp": pp, "tp": tp, "dp": dp, "zero_stage": z, "micro_batches": m,
                          "schedule": sched, "virtual_stages": v, "recompute": rc,
-                         "params_per_device": psi}, states=states, act=act, compute=compute,
+                         "params_per_device": psi, "copies_gb": copies},
+                        states=states, act=act, compute=compute,
                         comm=(dp_comm, tp_comm, pp_comm * v), memory=cluster.memory_gb))
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["total_gb"]))
     return rows
@@ -621,13 +647,14 @@ def run(args: argparse.Namespace) -> int:
           f"{args.optimizer}); {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit in "
           f"{args.memory_gb:g} GB")
     print(f"{'pp':>3} {'tp':>3} {'dp':>5} {'zero':>4} {'states GB':>10} {'act GB':>8} "
-          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits  schedule        recompute")
+          f"{'total GB':>9} {'step s':>9} {'comm s':>8}  fits  schedule        recompute"
+          "  copies GB (host)")
     for r in shown[:args.top]:
         comm = r["dp_comm_s"] + r["tp_comm_s"] + r["pp_comm_s"]
         print(f"{r['pp']:>3} {r['tp']:>3} {r['dp']:>5} {r['zero_stage']:>4} "
               f"{r['model_state_gb']:>10.2f} {r['activation_gb']:>8.2f} {r['total_gb']:>9.2f} "
               f"{r['step_time_s']:>9.3f} {comm:>8.3f}  {'yes' if r['fits'] else 'no':<4}  "
-              f"{_schedule_cell(r):<14}  {r['recompute']}")
+              f"{_schedule_cell(r):<14}  {r['recompute']:<9}  {r['copies_gb']:>9.2f}")
     if not shown:
         print("no layout fits; try more devices, ZeRO-3, a smaller micro-batch, or --all")
     return 0

@@ -82,6 +82,9 @@ class TrainingStateMixin:
         none yet). Not collective."""
         self.state.step = int(step)
         self.step_count = int(steps_taken)
+        red = getattr(self, "redundancy", None)
+        if red is not None:  # the copies no longer match the state: made anew before a step
+            red.invalidate()
         for _, _, st in self.pieces:
             st.step = self.state.step
         if data:
@@ -91,20 +94,31 @@ class TrainingStateMixin:
                 self._data_state = dict(data)
 
     def save(self, path: str, *, keep: int | None = None,
-             extra: dict[str, Any] | None = None) -> str:
+             extra: dict[str, Any] | None = None, async_: bool = False) -> Any:
         """Save model and optimizer state as one parallel-HDF5 checkpoint at ``path``.
 
         Collective over the model's mesh (every rank). Each rank writes its own elements of
         the global named tensors; the file is written under a temporary name and renamed
-        when complete, and the directory's ``latest`` pointer moves to it. Delegates to
-        :func:`mpidist.checkpoint.training.save_training` (imported on call: the checkpoint
-        layer sits above the strategies).
+        when complete, and the directory's ``latest`` pointer moves to it. Returns the path.
+        Delegates to :func:`mpidist.checkpoint.training.save_training`.
+
+        ``async_=True``: the state is copied into host memory (a pool reused from save to
+        save) and the call returns an :class:`~mpidist.checkpoint.background.AsyncCheckpoint`
+        while a background thread writes this rank's bytes; training may go on at once. The
+        save commits (renamed, ``latest`` moved), collectively, at the first of: its
+        ``wait()``; the next :meth:`step` at which every rank's write is done (while a save
+        is in flight, each step begins with one allreduce of two integers over the mesh
+        asking that); the next ``save`` or ``load``. A failed write raises the same
+        :class:`~mpidist.checkpoint.CheckpointError` on every rank there, the previous
+        checkpoint intact. At most one save is in flight. Only the default ``posix`` I/O
+        mode writes in the background (``mpio`` and ``serial`` save before returning).
         """
         from mpidist.checkpoint.training import save_training
 
         model = self._require_model()
         return save_training(os.path.dirname(os.path.abspath(path)), self, step=self.state.step,
-                             keep=keep, comm=model.mesh.comm, extra=extra, path=path)
+                             keep=keep, comm=model.mesh.comm, extra=extra, path=path,
+                             async_=async_, owner=self if async_ else None)
 
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by any strategy at any world size or mesh. Collective

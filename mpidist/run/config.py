@@ -21,6 +21,7 @@ from mpidist.optim import OPTIMIZERS
 from mpidist.parallel.config import PRECISIONS, RECOMPUTE
 from mpidist.parallel.pipeline import SCHEDULES
 from mpidist.parallel.precision import compute_dtype
+from mpidist.parallel.redundancy import MODES as REDUNDANCY
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
@@ -77,6 +78,7 @@ class TrainConfig:
     val_data: str | None = None
     data_verify: bool = False
     checkpoint_interval: int = 200
+    checkpoint_async: bool = False
     keep: int = 3
     resume: bool | str = False
     overwrite: bool = False
@@ -91,6 +93,7 @@ class TrainConfig:
     trace: str | None = None
     straggler_interval: int = 10
     straggler_margin: float = 0.3
+    redundancy: str = "buddy"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -116,6 +119,8 @@ class TrainConfig:
                              f"interleaved (got --schedule {self.schedule})")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        if self.redundancy not in REDUNDANCY:
+            raise ValueError(f"redundancy={self.redundancy!r} must be one of {REDUNDANCY}")
         if self.compression not in COMPRESSION_METHODS:
             raise ValueError(f"compression={self.compression!r} is not one of "
                              f"{COMPRESSION_METHODS}")
@@ -341,6 +346,13 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "check the token file's content hash before training (reads it once, split over the "
      "ranks)"),
     ("--checkpoint-interval", int, None, "steps between checkpoints (0: only at the end)"),
+    ("--checkpoint-async", "store_const", None,
+     "write the periodic checkpoints in the background: a save copies the state into host "
+     "memory and training goes on while a thread on each rank writes it; it commits (and "
+     "`latest` moves) at a later step boundary once every rank is done. The next save, "
+     "SIGTERM/SIGUSR1 and the end of the run wait for it; the last checkpoint is written "
+     "blocking. Only the default posix I/O mode writes in the background: with "
+     "MPIDIST_CHECKPOINT_IO=mpio or serial saves stay blocking"),
     ("--keep", int, None, "checkpoints to keep"),
     ("--resume", "resume", None,
      "continue from the latest checkpoint under --out, with the settings it was trained "
@@ -372,6 +384,10 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "summary); 0: no reports"),
     ("--straggler-margin", float, None,
      "how much slower (a fraction) a rank's compute time may be than the fastest's"),
+    ("--redundancy", str, REDUNDANCY,
+     "copies for in-job recovery from a lost rank (MPI with fault tolerance: Open MPI 5 "
+     "under mpiexec --with-ft ulfm; ddp, zero1-3): buddy keeps each rank's shard in its "
+     "neighbour's memory and the survivors go on; none: a lost rank ends the job"),
 ]
 
 

@@ -27,9 +27,11 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, world
+from mpidist.core.failure import ProcessFailure, UnrecoverableFailure
 from mpidist.nn.allocator import reuse_freed_memory
-from mpidist.parallel.loop import run_steps
+from mpidist.parallel.loop import recover_in_loop, run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
+from mpidist.run.checkpoints import RunCheckpoints
 from mpidist.run.config import TrainConfig, check_output_directory
 from mpidist.run.directory import (
     HANG_DIR,
@@ -51,6 +53,7 @@ from mpidist.run.preempt import (
     requeue_slurm_job,
     signal_name,
 )
+from mpidist.run.recovery import RunRecovery
 from mpidist.run.resume import check_data_hash
 from mpidist.run.timeline import RunTimeline
 
@@ -58,7 +61,8 @@ __all__ = ["EXIT_PREEMPTED", "run_training"]
 
 log = logging.getLogger("mpidist.cli.train")
 
-_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak")
+_MEM_KEYS = ("parameters", "gradients", "optimizer_state", "working_peak", "host_snapshot",
+             "redundancy")
 _EVAL_SEED = 1234
 
 
@@ -138,6 +142,7 @@ class _Run:
         # One collective between steps decides, alike on every rank, all that must be.
         self.agreement = StepAgreement()
         self.opt = make_strategy(cfg, comm)
+        self.recovery = RunRecovery(self)  # in-job recovery from a lost rank, where it can
         self.io_seconds = 0.0
         self._skipped = 0
         self.last_saved = -1
@@ -147,6 +152,7 @@ class _Run:
         self.events = JsonLines(os.path.join(cfg.out, "events.jsonl"), self.is_root)
         # per-rank times, straggler reports, speed, the trace window (--trace)
         self.timeline = RunTimeline(cfg, self)
+        self.checkpoints = RunCheckpoints(cfg, self.events)
 
     # -- who is who --------------------------------------------------------------------------
     def job_comm(self) -> Any:
@@ -180,24 +186,37 @@ class _Run:
                                  enabled=self.is_root() and cfg.progress)
         self.timeline.begin(self.model, self.job_comm(), self.opt.step_count,
                             joiner=self.joiner)
-        # the step's times (and report) first, then metrics etc., then preemption
-        hooks: list[Any] = [self.timeline, self]
+        # the step's times (and report) first; metrics etc. after each step, then
+        # preemption; after a recovery, rank 0's duties move first, then the save in flight
+        # is recorded as abandoned
+        hooks: list[Any] = [self.timeline, self, self.recovery, self.checkpoints]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
         hooks.append(self.timeline.tail)  # the trace window opens and closes last
         t_train = time.perf_counter()
-        try:
-            outcome = run_steps(self.opt, self.model, self.timeline.data(self.train_data),
-                                until=cfg.steps, sampler=self.opt.sampler, hooks=hooks)
-        finally:
-            self.progress.close()
-        seconds = time.perf_counter() - t_train
-        self.model = outcome.model if outcome.model is not None else self.opt.model
-        if elastic is not None and elastic.left:
-            self.left = True
-            return {"left": True, "step": self.opt.step_count, "steps_this_run": outcome.steps}
-        return self._finish(outcome, seconds, t_train - t_setup)
+        done = 0
+        while True:
+            try:
+                outcome = run_steps(self.opt, self.model, self.timeline.data(self.train_data),
+                                    until=cfg.steps, sampler=self.opt.sampler, hooks=hooks)
+            finally:
+                self.progress.close()
+            seconds = time.perf_counter() - t_train
+            self.model = outcome.model if outcome.model is not None else self.opt.model
+            outcome.steps += done
+            if elastic is not None and elastic.left:
+                self.left = True
+                return {"left": True, "step": self.opt.step_count,
+                        "steps_this_run": outcome.steps}
+            try:
+                return self._finish(outcome, seconds, t_train - t_setup)
+            except ProcessFailure as lost:  # in the final evaluation or the summary
+                done = outcome.steps
+                changed = recover_in_loop(self.opt, lost)
+                self.recovery.mesh_changed(changed.model, changed)
+                self.checkpoints.mesh_changed(changed.model, changed)
+                self.timeline.mesh_changed(changed.model, changed)
 
     def _maybe_resume(self) -> int:
         """Load the checkpoint the opening chose (or clear the way for a new run), then
@@ -227,7 +246,8 @@ class _Run:
         restart = restart_count()
         self.events.write(event="resume", step=step, world_size=self.world_size(),
                           checkpoint=os.path.basename(path), time=time.time(),
-                          **({"restart": restart} if restart else {}))
+                          **({"restart": restart} if restart else {}),
+                          **self.recovery.start_fields())  # this attempt's first event
         if self.is_root():
             lr = self.opt.lr_schedule(step) if self.opt.lr_schedule is not None else cfg.lr
             print(f"mpidist train: resuming {path} at step {step} on {self.world_size()} "
@@ -253,7 +273,8 @@ class _Run:
                      "max_workers": self.opt.max_workers}
         self.events.write(event="start", step=start, world_size=self.world_size(),
                           strategy=cfg.strategy, mesh=_mesh_dict(self.model),
-                          config=dataclasses.asdict(cfg), time=time.time(), **extra)
+                          config=dataclasses.asdict(cfg), time=time.time(), **extra,
+                          **self.recovery.start_fields())
         if self.is_root():
             n_params = sum(int(np.prod(s)) for _, s in make_model(cfg).named_parameter_shapes())
             where = getattr(self.model, "device", None)
@@ -266,6 +287,7 @@ class _Run:
             mesh = getattr(self.model, "mesh", None)
             if mesh is not None and hasattr(mesh, "node_banner"):
                 print(mesh.node_banner(), end="", flush=True)  # the layout by node
+        self.recovery.announce()
 
     # -- hooks ---------------------------------------------------------------------------------
     def after_step(self, model: Any, rec: Any) -> None:
@@ -294,7 +316,7 @@ class _Run:
         if cfg.eval_interval and (s % cfg.eval_interval == 0 or s == cfg.steps):
             self._evaluate(model, s)
         if cfg.checkpoint_interval and s % cfg.checkpoint_interval == 0 or s == cfg.steps:
-            self._save(s)
+            self._save(s, final=s == cfg.steps)
 
     def _evaluate(self, model: Any, step: int) -> None:
         cfg = self.cfg
@@ -302,32 +324,36 @@ class _Run:
                                           global_batch_size=cfg.global_batch, seed=_EVAL_SEED)
         self.metrics.write(step=step, loss=self.val_loss, split="validation")
 
-    def _save(self, step: int, **event: Any) -> None:
-        from mpidist.checkpoint.training import save_training
-
-        t0 = time.perf_counter()
-        with phase("checkpoint"):
-            path = save_training(self.cfg.out, self.opt, step=step, keep=self.cfg.keep,
-                                 comm=self.job_comm(),
-                                 extra={"train_config": dataclasses.asdict(self.cfg),
-                                        "data": self.train_data.identity()})
-        dt = time.perf_counter() - t0
-        self.io_seconds += dt
+    def _save(self, step: int, final: bool = False, **event: Any) -> None:
+        """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank. A rank
+        lost during the save call (a blocking save, the blocking part of an asynchronous
+        one, or the commit of the save in flight it waits for first) ends the job."""
+        try:
+            self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
+                                  extra={"train_config": dataclasses.asdict(self.cfg),
+                                         "data": self.train_data.identity()},
+                                  final=final, **event)
+        except ProcessFailure as lost:  # some ranks may be inside MPI-IO: no recovery here
+            raise UnrecoverableFailure(
+                f"lost a rank during the checkpoint of step {step} ({lost}); in-job recovery "
+                "does not cover a save in progress: restart from the last checkpoint (the "
+                "supervisor, --requeue or mpidist train --resume)") from lost
         self.last_saved = step
-        self.events.write(event="checkpoint", step=step, world_size=self.world_size(),
-                          path=os.path.basename(path), seconds=dt, time=time.time(), **event)
 
     def between_steps(self, model: Any, rec: Any) -> Any:
         """If any rank got a preemption signal: checkpoint and stop (every rank)."""
         if rec.step >= self.cfg.steps:
             return model  # the run ends here anyway, with its final checkpoint
+        self.checkpoints.before_agreement(self.agreement)  # the async save's progress
         with phase("agreement"):
             signum = self.preemption.agreed(self.job_comm(), self.agreement)
+        self.checkpoints.after_agreement(self.agreement, rec.step)
         if not signum:
             return model
         self.preempted = signal_name(signum)
+        self.checkpoints.wait(rec.step)  # the save in flight first
         if self.last_saved != rec.step:
-            self._save(rec.step, reason="preempted")
+            self._save(rec.step, final=True, reason="preempted")
         requeue = ""
         if self.cfg.requeue and self.is_root():
             requeue = requeue_slurm_job()
@@ -356,12 +382,14 @@ class _Run:
         cfg = self.cfg
         loss = outcome.last.loss if outcome.last is not None else float("nan")
         step = self.opt.step_count
+        self.recovery.flush(redone_to=step)  # a recovery no step followed
+        self.checkpoints.wait(step)
         if not self.preempted:
             if not np.isfinite(self.val_loss) or cfg.eval_interval == 0:
                 self._evaluate(self.model, cfg.steps)
             if self.last_saved != cfg.steps and cfg.steps > 0 and step == cfg.steps \
                     and outcome.steps:
-                self._save(cfg.steps)
+                self._save(cfg.steps, final=True)
         summary = self._summary(loss, seconds, setup_seconds, outcome.steps)
         self.events.write(event="end", step=step, world_size=self.world_size(),
                           time=time.time(), final_loss=loss, validation_loss=self.val_loss,
@@ -377,10 +405,11 @@ class _Run:
         cfg = self.cfg
         comm = self.job_comm()
         size = comm.Get_size()
-        memory = self.opt.memory_report()
+        memory = dict(self.opt.memory_report(), host_snapshot=self.checkpoints.snapshot_bytes())
         mem = np.array([memory.get(k, 0) for k in _MEM_KEYS], dtype=np.int64)
         mem_all = C.allgather(mem, comm=comm).reshape(size, len(_MEM_KEYS))
         timers = dict(self.opt.timers)
+        io = self.io_seconds + self.checkpoints.blocking_seconds  # training stood still
         tokens_per_step = cfg.global_batch * cfg.block_size
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
@@ -396,11 +425,14 @@ class _Run:
             "seconds": seconds,
             "time_split_seconds": {"compute": timers.get("compute", 0.0),
                                    "communication": timers.get("communication", 0.0),
-                                   "update": timers.get("update", 0.0), "io": self.io_seconds},
+                                   "update": timers.get("update", 0.0), "io": io},
+            "io_seconds": {"blocking": io,
+                           "background": self.checkpoints.background_seconds},
             "memory_bytes_per_rank": [dict(zip(_MEM_KEYS, map(int, row), strict=True))
                                       for row in mem_all],
             "setup_seconds": setup,
             "preempted": self.preempted or None,
+            "recoveries": list(self.recovery.history),
         }
         summary.update(self.timeline.finish(comm))  # per-rank times, speed, stragglers
         if self.elastic:

@@ -65,6 +65,12 @@ class Progress:
             print(f"step {step}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tok/s{more}",
                   flush=True)
 
+    def rewind(self, step: int) -> None:
+        """Go back to ``step`` (steps after it are redone). Not collective."""
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def close(self) -> None:
         """Close the bar. Not collective."""
         if self.bar is not None:
@@ -138,10 +144,23 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
     total = sum(t.values()) or 1.0
     print("time split            " + ", ".join(
         f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in t.items()))
-    print("memory per rank (MiB): rank  params  grads  optimizer  working-peak")
+    background = (s.get("io_seconds") or {}).get("background", 0.0)
+    if background:
+        print(f"checkpoint io         {t['io']:.1f} s blocking (in the split above), "
+              f"{background:.1f} s written in the background alongside training")
+    copies = any(m.get("redundancy", 0) for m in s["memory_bytes_per_rank"])
+    print("memory per rank (MiB): rank  params  grads  optimizer  working-peak  snapshot"
+          + ("  copies" if copies else ""))
     for r, m in enumerate(s["memory_bytes_per_rank"]):
         print(f"{'':22}{r:>4}  {m['parameters'] / mb:6.2f} {m['gradients'] / mb:6.2f}"
-              f"  {m['optimizer_state'] / mb:9.2f}  {m['working_peak'] / mb:12.2f}")
+              f"  {m['optimizer_state'] / mb:9.2f}  {m['working_peak'] / mb:12.2f}"
+              f"  {m.get('host_snapshot', 0) / mb:8.2f}"
+              + (f"  {m.get('redundancy', 0) / mb:6.2f}" if copies else ""))
+    for rec in s.get("recoveries") or []:
+        redo = "" if rec.get("redo_s") is None else f", redo {rec['redo_s']:.2f} s"
+        print(f"recovered in-job      lost rank(s) {rec['lost']} after step {rec['step']}: "
+              f"{rec['world_size']} rank(s) went on (detect {rec['detect_s']:.3f} s, shrink "
+              f"{rec['shrink_s']:.3f} s, rebuild {rec['rebuild_s']:.3f} s{redo})")
     from mpidist.run.stragglers import rank_table_lines
 
     for line in rank_table_lines(s):

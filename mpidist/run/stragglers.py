@@ -58,8 +58,9 @@ MIN_EXCESS_S = 0.001
 #: step by less than this is no news, whatever its ratio to a tiny compute time)
 MIN_EXCESS_SHARE = 0.05
 #: phases whose blocked time is part of the optimizer step (the rest is between steps)
-STEP_PHASES = ("optimizer", "forward", "backward", "pipeline")
-_NOT_WAIT = ("checkpoint", "evaluation")
+STEP_PHASES = ("optimizer", "forward", "backward", "pipeline", "update", "allgather")
+#: phases whose blocked time is not communication wait (counted as their own work)
+_NOT_WAIT = ("checkpoint", "evaluation", "recovery")
 
 
 def measure_peak_flops(dtype: Any = "float64", *, n: int = 384, repeats: int = 5,

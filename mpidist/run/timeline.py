@@ -224,6 +224,18 @@ class RunTimeline:
             w.start(self.run.job_comm())
         return model
 
+    def mesh_changed(self, model: Any, changed: Any) -> None:
+        """After in-job recovery from a lost rank: an open trace window is dropped (its
+        ranks are not all there to write it). Not collective."""
+        w = self.window
+        if w is not None and w.recording and w.recorder is not None:
+            w.recorder.stop()
+            w.recorder = None
+            w.done = True
+            if self.run.is_root():
+                log.warning("the trace of steps %d-%d is dropped: a rank was lost in it",
+                            w.first, w.last)
+
     def _close_window(self, w: TraceWindow) -> None:
         labels = {comms.comm_id(c): i.label for c in comms.live()
                   if (i := comms.info(c)) is not None and i.label}

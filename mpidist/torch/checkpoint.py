@@ -203,15 +203,25 @@ def _plain(v: Any) -> bool:
 
 def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
                     optimizer: Any = None, *, step: int | None = None, comm: Any = None,
-                    keep: int | None = None) -> str:
+                    keep: int | None = None, async_: bool = False) -> Any:
     """Write ``module`` (and ``optimizer``'s state) to one HDF5 checkpoint at ``path``.
 
     Collective over the wrappers' communicator (or ``comm``, default every rank): every rank
-    calls it with the same ``path``, ``step`` and ``keep``. ``module`` is a plain module, a
-    :class:`DistributedDataParallel` or a model built with ``fully_shard``; ``optimizer`` any
-    torch optimizer over its parameters or a :class:`ZeroRedundancyOptimizer`. The write is
-    atomic (a failure leaves the previous checkpoint intact) and moves the directory's
-    ``latest`` pointer; ``keep`` keeps only the newest checkpoints. Returns the path.
+    calls it with the same ``path``, ``step``, ``keep`` and ``async_``. ``module`` is a plain
+    module, a :class:`DistributedDataParallel` or a model built with ``fully_shard``;
+    ``optimizer`` any torch optimizer over its parameters or a
+    :class:`ZeroRedundancyOptimizer`. The write is atomic (a failure leaves the previous
+    checkpoint intact) and moves the directory's ``latest`` pointer; ``keep`` keeps only the
+    newest checkpoints. Returns the path.
+
+    ``async_=True``: this rank's part is copied into host memory (a pool reused from save
+    to save; pinned memory for CUDA tensors, copied straight from the device) and an
+    :class:`~mpidist.checkpoint.background.AsyncCheckpoint` is returned while a background
+    thread writes it: the module and optimizer may change at once. The save commits,
+    collectively over the same ranks, in the handle's ``wait()`` (or ``poll()``, when every
+    rank is done) or at the next ``save_checkpoint`` of this process, which first waits for
+    it; a failed write raises the same error on every rank there. Only the default
+    ``posix`` I/O mode writes in the background.
     """
     module, comm, wrapper = _unwrap(module, optimizer, comm)
     entries = _model_entries(module)
@@ -237,7 +247,7 @@ def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
     pieces = []
     rank = comm.Get_rank()
     for e in entries:
-        data = e.tensor.detach().reshape(-1).cpu().numpy()
+        data = _flat_values(e.tensor, async_)
         if e.flat is not None:
             if writer[(e.name, e.flat.start, e.flat.stop)] == rank:
                 pieces.append(ckpt.Piece(e.name, e.flat, data))
@@ -247,7 +257,21 @@ def save_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,
         lo, hi = row_range(data.size, i, len(who))
         if hi > lo or (data.size == 0 and i == 0):
             pieces.append(ckpt.Piece(e.name, slice(lo, hi), data[lo:hi]))
-    return ckpt.save_checkpoint(path, tensors, pieces, attrs, comm=comm, keep=keep)
+    return ckpt.save_checkpoint(path, tensors, pieces, attrs, comm=comm, keep=keep,
+                                async_=async_)
+
+
+def _flat_values(t: torch.Tensor, direct: bool) -> Any:
+    """A tensor's elements as a flat array to save: a NumPy view of a CPU tensor (an
+    asynchronous save copies it), a copy of a device tensor, or with ``direct`` the device
+    tensor itself as a Numba device array (the save's snapshot copies it into pinned
+    memory)."""
+    flat = t.detach().reshape(-1)
+    if direct and flat.device.type == "cuda":
+        from mpidist.core.devices import view
+
+        return view(flat.contiguous())
+    return flat.cpu().numpy()
 
 
 def load_checkpoint(path: str | os.PathLike[str], module: torch.nn.Module,

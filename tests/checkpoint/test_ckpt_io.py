@@ -405,16 +405,24 @@ def _checksum_attrs(path):
     return out
 
 
-def test_fused_checksums_and_writeback_match_serial(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fused_checksums_and_writeback_match_serial(tmp_path, monkeypatch, compiled):
     """The posix mode checksums chunk by chunk while writing and patches the attributes
-    afterwards; tiny chunks and writeback ranges give the serial mode's sums and bytes."""
+    afterwards; tiny chunks and writeback ranges give the serial mode's sums and bytes, in
+    the compiled write loop and in the Python one (whose writeback calls are seen)."""
     from mpidist.checkpoint import storage as ckpt_io
+    from mpidist.checkpoint import writer
 
     ref, values = save(tmp_path / "serial", serial=True)
     expect = _checksum_attrs(ref)
     monkeypatch.setattr(ckpt_io, "FUSED_CHUNK_BYTES", 12)  # 3 float32 / 1.5 float64
     calls = []
     real = ckpt_io.sync_file_range()
+    if compiled:
+        assert writer.native_writer() is not None
+        real = None  # its sync_file_range calls are compiled code's
+    else:
+        monkeypatch.setattr(writer, "native_writer", lambda: None)
     if real is not None:
         monkeypatch.setattr(ckpt_io, "sync_file_range",
                             lambda: lambda *a: calls.append(a[1:3]) or real(*a))

@@ -101,6 +101,25 @@ def test_a_checkpoint_moves_between_device_and_cpu(comm, tmp_path_factory):
     assert cpu_opt.state.step == back_opt.state.step == opt.state.step
 
 
+def test_an_async_checkpoint_copies_device_arrays_into_pinned_memory(comm, tmp_path_factory):
+    from mpidist.checkpoint.background import default_pool
+
+    d = str(tmp_path_factory.mktemp("async")) if comm.Get_rank() == 0 else None
+    path = os.path.join(comm.bcast(d), "ckpt.h5")
+    _, opt, model = _run(comm, "zero1", device=FAKE)
+    want = model.full_parameters()
+    handle = opt.save(path, async_=True)
+    assert default_pool().pinned  # the snapshot of device pieces is pinned host memory
+    _, data, _, _ = make_case("gpt", TINY)
+    opt.optimize(model, data, 1, global_batch_size=B)  # the device arrays change
+    handle.wait()
+    _, cpu_opt, cpu_model = _run(comm, "zero1", steps=0)
+    cpu_opt.load(path)
+    assert cpu_opt.state.step == STEPS
+    for name, arr in cpu_model.full_parameters().items():
+        np.testing.assert_array_equal(arr, want[name], err_msg=name)
+
+
 def test_mixed_fp16_keeps_float32_master_weights(comm):
     # ZeRO-3: the 16-bit copy is what is gathered. Full precision on the CPU is the
     # reference (the device path gives the CPU's trajectory: tested above).

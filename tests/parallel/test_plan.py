@@ -284,3 +284,21 @@ def test_interleaved_in_the_plan():
     assert seen == {2, 4}
     with pytest.raises(ValueError, match="virtual stages 1 must be an integer >= 2"):
         plan(7.5e9, 64, schedules=("interleaved",), virtual_stages=(1,))
+
+
+def test_copies_of_in_job_recovery_match_what_the_strategy_keeps():
+    """The planner's host copies against Redundancy's own count (fp32 AdamW: W=4, M=8)."""
+    from mpidist.parallel.plan import copies_bytes
+
+    params = 1000
+    assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=0,
+                        dp=4) == 12 * params  # the whole snapshot
+    # ZeRO-2: snapshot + two copies of the shard (12 bytes/param each) + the gradient shard
+    assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=2,
+                        dp=4) == (3 * 12 + 4) * params / 4
+    assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=1,
+                        dp=4) == 3 * 12 * params / 4
+    assert copies_bytes(params, zero_stage=2, dp=4, tp=2) == 0.0  # no recovery there
+    rows = P.plan(8e9, 16, zero_stages=(1,))
+    assert all(r["copies_gb"] == 0 for r in rows if r["tp"] * r["pp"] > 1)
+    assert all(r["copies_gb"] > 0 for r in rows if r["tp"] * r["pp"] == 1)

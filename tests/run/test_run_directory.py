@@ -88,6 +88,10 @@ def test_resume_takes_the_settings_from_the_checkpoint(z1: Path, tmp_path: Path)
     steps = [(e["event"], e["step"]) for e in events]
     assert steps == [("start", 0), ("checkpoint", 3), ("resume", 3), ("start", 3),
                      ("checkpoint", 6), ("end", 6)]
+    for e in events:  # an attempt's first event says why in-job recovery is off here
+        if e["event"] in ("start", "resume"):
+            assert e["fault_tolerance"].startswith("off: Open MPI v4"), e
+            assert e["recovery"] == f"in-job recovery {e['fault_tolerance']}", e
     assert json.loads((run / "summary.json").read_text())["steps_this_run"] == 3
 
 

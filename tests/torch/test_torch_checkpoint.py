@@ -127,3 +127,34 @@ def test_checkpoint_buffers_and_mismatch(comm, shared_dir):
     with pytest.raises(Exception, match="no optimizer state"):
         load_checkpoint(f"{shared_dir}/bn.h5", fresh,
                         torch.optim.SGD(fresh.parameters(), lr=0.1), comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["fsdp", "zero"])
+def test_async_save_is_the_state_of_the_call(comm, shared_dir, kind):
+    """save_checkpoint(..., async_=True) returns while training goes on; the file is the
+    blocking save's, and a fresh model loaded from it continues from the saved step."""
+    import h5py
+
+    from mpidist.checkpoint.background import in_flight
+
+    ref_losses, _ = reference()
+    net, module, opt = build(kind, comm)
+    steps(net, opt, comm, 0, 3)
+    blocking = save_checkpoint(f"{shared_dir}/blocking.h5", net, opt, step=3)
+    handle = save_checkpoint(f"{shared_dir}/async.h5", net, opt, step=3, async_=True)
+    assert in_flight() is handle or handle.committed
+    steps(net, opt, comm, 3, 5)  # the parameters and the optimizer state change
+    handle.wait()
+    assert handle.committed and in_flight() is None
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        with h5py.File(blocking) as a, h5py.File(handle.path) as b:
+            names = []
+            a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
+            for n in names:
+                assert a[n][()].tobytes() == b[n][()].tobytes(), n
+                assert dict(a[n].attrs) == dict(b[n].attrs), n
+    net, module, opt = build(kind, comm)
+    assert load_checkpoint(handle.path, net, opt)["step"] == 3
+    np.testing.assert_allclose(steps(net, opt, comm, 3, 6), ref_losses[3:], rtol=1e-10)

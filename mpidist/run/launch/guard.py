@@ -98,6 +98,16 @@ def enable_error_agreement(comm: Any) -> None:
     if old is not None:
         old.Free()
     _AGREEMENT["comm"] = comm.Dup() if comm.Get_size() > 1 else None
+    from mpidist.core.failure import on_shrink
+
+    on_shrink(_rebind)  # after in-job recovery from a lost rank: the survivors'
+
+
+def _rebind(comm: Any) -> None:
+    """The survivors' communicator (after in-job recovery) becomes the job's for failure
+    reports. Collective over ``comm``."""
+    _AGREEMENT["comm"] = comm.Dup() if comm.Get_size() > 1 else None
+    _AGREEMENT["job"] = comm
 
 
 def _wait_seconds() -> float:
@@ -114,19 +124,22 @@ def _agree(line: str) -> np.ndarray | None:
         return None
     send = np.array([zlib.crc32(line.encode())], dtype=np.int64)
     recv = np.zeros(comm.Get_size(), dtype=np.int64)
-    req = comm.Iallgather(send, recv)
     deadline = time.monotonic() + _wait_seconds()
-    while not req.Test():
-        if time.monotonic() > deadline:
-            return None  # the others are busy elsewhere: this failure is this rank's own
-        time.sleep(0.005)
+    try:
+        req = comm.Iallgather(send, recv)
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return None  # the others are busy elsewhere: this failure is this rank's own
+            time.sleep(0.005)
+    except Exception:  # noqa: BLE001 - a rank was lost: this rank reports alone
+        return None
     return recv
 
 
 def one_line(exc: BaseException) -> str:
     """The message a failure prints: a ValueError's (bad input) or a FloatingPointError's
     (divergence) text alone, other exceptions with their type."""
-    if isinstance(exc, (ValueError, FloatingPointError)):
+    if isinstance(exc, (ValueError, FloatingPointError)) or getattr(exc, "plain", False):
         return str(exc)
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (SIGINT)"
@@ -157,7 +170,8 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     """
     stream = sys.stderr if stream is None else stream
     line, code = one_line(exc), exit_code(exc)
-    quiet = isinstance(exc, (ValueError, FloatingPointError, KeyboardInterrupt, SystemExit))
+    quiet = isinstance(exc, (ValueError, FloatingPointError, KeyboardInterrupt, SystemExit)) \
+        or getattr(exc, "plain", False)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     comm = _world()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
@@ -213,6 +227,8 @@ def _world() -> Any:
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return None
+    if _AGREEMENT.get("job") is not None:
+        return _AGREEMENT["job"]
     from mpidist.core.comms import world
 
     return world()

@@ -1,0 +1,253 @@
+"""The copies in-job recovery restores from (``--redundancy buddy``).
+
+A rank that dies takes its part of the training state with it; the survivors roll back to
+the state at the start of the interrupted step and redo it (:mod:`mpidist.parallel.recovery`).
+Two kinds of copies make that possible, both in host memory:
+
+* **The rank's own snapshot** of what the update changes (every level): taken after the
+  gradients are synchronised and before anything is updated, so that a survivor that had
+  already updated when it learned of the failure can go back. DDP (level 0) keeps the whole
+  parameters and optimizer state, ZeRO its shard of them. The step's gradients need no copy:
+  the redo computes them again.
+* **A buddy's copy** of a neighbour's shard (ZeRO-1/2/3: the optimizer state, the
+  parameters' shard): rank ``r`` of the data-parallel group holds the copy of rank
+  ``(r - 1) mod n``. DDP needs none (every survivor has everything).
+
+The buddy's copy is refreshed every step without sending the state: after its own update,
+the holder applies the same fused update (the same kernel, learning rate, gradient scale and
+step count: bitwise the neighbour's result) to its copy, with the neighbour's reduced
+gradient. ZeRO-1 allreduces the whole gradient, so it has it already (no bytes); ZeRO-2/3
+reduce-scatter, and each rank sends its gradient shard to its holder (one message of
+``shard`` elements a step, started as soon as the gradients are synchronised, so that it
+travels during the clipping and the own update). Sending the updated state instead would
+cost ``(state buffers + 1) x shard`` elements a step (three times as much with AdamW).
+
+The copy is double-buffered, each buffer tagged with the step whose start it holds: the
+refresh of step ``s`` writes the buffer of ``s + 1`` from that of ``s``, so a failure during
+a refresh leaves the previous copy whole, and a holder that finished one step more than
+another survivor still has the copy the recovery asks for. After a start, a checkpoint load
+or a recovery the copies are made anew by one ring exchange of the shards
+(:meth:`Redundancy.establish`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpidist.core import collectives as C
+from mpidist.core.failure import keep_alive
+from mpidist.optim.base import OptimizerState
+
+__all__ = ["MODES", "Redundancy", "copy_bytes_per_step", "holder_of"]
+
+#: the values of ``--redundancy``
+MODES = ("buddy", "none")
+_TAG = 0x4D44  # the point-to-point tag of the copies' messages on the data-parallel group
+
+
+def holder_of(rank: int, n: int) -> int:
+    """The rank of a data-parallel group of ``n`` that holds ``rank``'s copy. Pure."""
+    return (rank + 1) % n
+
+
+def copy_bytes_per_step(level: int, shard_elements: int, itemsize: int) -> int:
+    """Bytes each rank sends a step to keep its copy fresh: its gradient shard at ZeRO-2/3,
+    nothing at DDP and ZeRO-1 (whole gradients: the holder has the neighbour's). Pure."""
+    return shard_elements * itemsize if level >= 2 else 0
+
+
+class Redundancy:
+    """The snapshot and buddy copies of one rank for one model (see the module doc).
+
+    Made by the optimizer when its model is attached; ``tag`` values are step numbers: a
+    buffer tagged ``s`` holds the state at the start of step ``s`` (after ``s - 1`` steps).
+    """
+
+    def __init__(self, opt: Any) -> None:
+        model = opt.model
+        self.level = model.level
+        self.layout = model.layout
+        self.comm = model.comm
+        self.n, self.rank = model.dp_size, model.dp_rank
+        self.dtype = np.dtype(model.dtype)
+        keys = sorted(opt.state.buffers)
+        size = self.layout.full_size if self.level == 0 else self.layout.local_size
+        self.snap_params = np.zeros(size, dtype=self.dtype)
+        self.snap_state = {k: np.zeros(opt.state.buffers[k].size, dtype=self.dtype) for k in keys}
+        self.snap_tag = -1
+        self.snap_step = 0
+        self.snap_extra: dict[str, Any] = {}
+        self.copies = self.level >= 1 and self.n > 1
+        local = self.layout.local_size if self.copies else 0
+        self.copy_params = [np.zeros(local, dtype=self.dtype) for _ in range(2)]
+        self.copy_state = [{k: np.zeros(local, dtype=self.dtype) for k in keys}
+                           for _ in range(2)]
+        self.copy_tag = [-1, -1]
+        self.copy_step = [0, 0]
+        self.grad_in = np.zeros(local if self.level >= 2 else 0, dtype=self.dtype)
+        self._pending: Any = None  # the gradient shard's messages in flight
+        #: how the copy follows the neighbour: "replay" its update (the default), or "send"
+        #: the updated state each step (kept to measure the choice: benchmarks/recovery.py)
+        self.refresh = "replay"
+
+    # -- who holds what ----------------------------------------------------------------------
+    @property
+    def neighbour(self) -> int:
+        """The rank whose copy this rank holds."""
+        return (self.rank - 1) % self.n
+
+    def nbytes(self) -> int:
+        """Host bytes of the snapshot and the copies on this rank."""
+        arrays = [self.snap_params, *self.snap_state.values(), *self.copy_params,
+                  *(a for d in self.copy_state for a in d.values()), self.grad_in]
+        return int(sum(a.nbytes for a in arrays))
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends a step for its copy (:func:`copy_bytes_per_step`)."""
+        if not self.copies:
+            return 0
+        return copy_bytes_per_step(self.level, self.layout.local_size, self.dtype.itemsize)
+
+    def invalidate(self) -> None:
+        """The state was replaced (a load): the copies are made anew before the next step."""
+        self.copy_tag = [-1, -1]
+        self.snap_tag = -1
+
+    # -- own shard in the local layout --------------------------------------------------------
+    def _own_params(self, model: Any, out: np.ndarray) -> None:
+        """This rank's parameters as the snapshot keeps them (copied into ``out``)."""
+        if self.level == 0:
+            out[:] = model.params
+        elif self.level == 3:
+            out[:] = model.param_shard
+        else:
+            for u in range(len(self.layout.units)):
+                self.layout.unit_local(u, out)[:] = self.layout.unit_shard_of_full(
+                    u, model.params)
+
+    # -- every step ---------------------------------------------------------------------------
+    def before_update(self, opt: Any, tag: int) -> None:
+        """After the gradient sync of step ``tag``, before anything is updated: the own
+        snapshot, and (ZeRO-2/3) the gradient shard sent to this rank's holder. Starts
+        point-to-point messages on the data-parallel group."""
+        model = opt.model
+        self._own_params(model, self.snap_params)
+        for k, buf in opt.state.buffers.items():
+            self.snap_state[k][:] = buf
+        self.snap_step = int(opt.state.step)
+        self.snap_extra = opt.position_extras()
+        self.snap_tag = tag
+        if self.copies and self.level >= 2 and self.refresh == "replay":
+            # (a request that never completes keeps its buffers: a failed one must)
+            self._pending = C.Request(
+                [self.comm.Irecv(self.grad_in, source=self.neighbour, tag=_TAG),
+                 self.comm.Isend(model.grad_shard, dest=holder_of(self.rank, self.n),
+                                 tag=_TAG)], self.grad_in, keep=(model.grad_shard,))
+
+    def after_update(self, opt: Any, tag: int, scale: float, skipped: bool) -> None:
+        """After the own update of step ``tag``: the neighbour's copy of step ``tag + 1``,
+        by the same update applied to the copy of ``tag`` (waits for the gradient shard)."""
+        if not self.copies:
+            return
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        src = self.copy_tag.index(tag) if tag in self.copy_tag else -1
+        if src < 0:
+            raise RuntimeError(f"buddy copy of step {tag} missing on dp rank {self.rank} "
+                               f"(tags {self.copy_tag}): establish() was not called")
+        dst = 1 - src
+        if self.refresh == "send":
+            self._exchange(opt, tag + 1, dst)
+            return
+        self.copy_params[dst][:] = self.copy_params[src]
+        for k, buf in self.copy_state[src].items():
+            self.copy_state[dst][k][:] = buf
+        step = self.copy_step[src]
+        if not skipped:
+            lr = opt.lr()
+            pieces = self._neighbour_pieces(opt.model, dst, step)
+            for p, g, st in pieces:
+                opt.base.update(p, g, st, grad_scale=scale, lr=lr)
+            step = pieces[0][2].step if pieces else step + 1
+        self.copy_step[dst] = int(step)
+        self.copy_tag[dst] = tag + 1
+
+    def _neighbour_pieces(self, model: Any, b: int, step: int
+                          ) -> list[tuple[np.ndarray, np.ndarray, OptimizerState]]:
+        """The neighbour's update pieces over copy buffer ``b`` (as its own update cut
+        them: one per unit at ZeRO-1/2, one at ZeRO-3)."""
+        lay, v = self.layout, self.neighbour
+        params, state = self.copy_params[b], self.copy_state[b]
+        if self.level == 3:
+            return [(params, self.grad_in, OptimizerState(step, dict(state)))]
+        out = []
+        for u, span in enumerate(lay.units):
+            sl = slice(span.local_offset, span.local_offset + span.shard)
+            g = lay.unit_shard_of_full(u, model.grads, rank=v) if self.level == 1 \
+                else self.grad_in[sl]
+            out.append((params[sl], g, OptimizerState(step, {k: a[sl] for k, a in
+                                                             state.items()})))
+        return out
+
+    # -- (re)making the copies ------------------------------------------------------------------
+    def ready(self, opt: Any, tag: int) -> bool:
+        """Whether the copies hold the start of step ``tag`` (else :meth:`establish`)."""
+        return not self.copies or tag in self.copy_tag
+
+    def establish(self, opt: Any, tag: int) -> None:
+        """Make the neighbour's copy from its live state, as the start of step ``tag``: one
+        ring exchange of (parameter shard, state shards, step). Collective over the
+        data-parallel group."""
+        if not self.copies:
+            return
+        b = 0 if self.copy_tag[0] < self.copy_tag[1] else 1
+        self._exchange(opt, tag, b)
+        self.copy_tag[1 - b] = -1
+
+    def _exchange(self, opt: Any, tag: int, b: int) -> None:
+        """The neighbour's live state into copy buffer ``b``, tagged ``tag``; this rank's to
+        its holder. Collective over the data-parallel group (a ring ``Sendrecv``)."""
+        model = opt.model
+        keys = sorted(opt.state.buffers)
+        local = self.layout.local_size
+        send = np.empty((1 + len(keys)) * local + 1, dtype=self.dtype)
+        self._own_params(model, send[:local])
+        for i, k in enumerate(keys):
+            send[(1 + i) * local:(2 + i) * local] = opt.state.buffers[k]
+        send[-1] = opt.state.step
+        recv = np.empty_like(send)
+        try:
+            self.comm.Sendrecv(send, dest=holder_of(self.rank, self.n), sendtag=_TAG,
+                               recvbuf=recv, source=self.neighbour, recvtag=_TAG)
+        except BaseException:
+            keep_alive(send, recv)  # a failed transfer may still touch them
+            raise
+        self.copy_params[b][:] = recv[:local]
+        for i, k in enumerate(keys):
+            self.copy_state[b][k][:] = recv[(1 + i) * local:(2 + i) * local]
+        self.copy_step[b] = int(recv[-1])
+        self.copy_tag[b] = tag
+
+    # -- what a recovery restores from ----------------------------------------------------------
+    def own_at(self, model: Any, state: Any, extras: dict[str, Any], tag: int
+               ) -> tuple[np.ndarray, dict[str, np.ndarray], int, dict[str, Any]]:
+        """This rank's own (parameters, state, optimizer step, extras) at the start of step
+        ``tag``: the snapshot when it was taken in that step, else the live ``model``,
+        ``state`` and ``extras`` (this rank did not reach the update of step ``tag``).
+        Parameters in the snapshot's layout (level 0: full; else the local shard)."""
+        if self.snap_tag == tag:
+            return self.snap_params, self.snap_state, self.snap_step, self.snap_extra
+        params = np.empty_like(self.snap_params)
+        self._own_params(model, params)
+        return params, dict(state.buffers), int(state.step), extras
+
+    def copy_at(self, tag: int) -> tuple[np.ndarray, dict[str, np.ndarray], int] | None:
+        """The neighbour's (parameter shard, state shards, optimizer step) at the start of
+        step ``tag``, or None when this rank has no such copy."""
+        if not self.copies or tag not in self.copy_tag:
+            return None
+        b = self.copy_tag.index(tag)
+        return self.copy_params[b], self.copy_state[b], self.copy_step[b]
