@@ -93,6 +93,10 @@ SMOKE: dict[str, Smoke] = {
     "recorder.py": Smoke(
         2, ("--calls", "1000", "--rounds", "2", "--steps", "3", *TINY_GPT,
             "--global-batch", "4"), ("ns/call", "calls/step")),
+    # the trace's cost per event, events per step, traced vs untraced training
+    "timeline.py": Smoke(
+        2, ("--events", "1000", "--rounds", "2", "--steps", "3", "--pairs", "1", *TINY_GPT,
+            "--global-batch", "4"), ("ns/event", "record us/step", "traced / untraced")),
     "torch_backend.py": Smoke(
         2, ("--model", "transformer", "--steps", "1", "--rounds", "1", "--repeats", "2",
             "--sizes", "4096", "--out", "{tmp}"), ("/ gloo", "raw MPI"), torch=True),

@@ -63,13 +63,20 @@ class Call:
 _ENTER: list[Callable[[Call], None]] = []
 _EXIT: list[Callable[[Call], None]] = []
 _ERROR: list[Callable[[Call, BaseException], None]] = []
+_WAIT: list[Callable[[Call, float, float], None]] = []
+_SPAN: list[Callable[[str, float, float], None]] = []
 _HOOKS: list[Any] = []
 
 
 def add_hook(hook: Any) -> None:
     """Call ``hook.enter(call)``, ``hook.exit(call)`` and ``hook.error(call, exc)`` (each
     optional) for every MPI call from now on, after the hooks added before. Not
-    collective. ``error`` may raise: its exception replaces MPI's."""
+    collective. ``error`` may raise: its exception replaces MPI's.
+
+    Two more optional methods see time rather than calls (the timeline's): ``wait(call,
+    t0, t1)`` after this thread was blocked from ``t0`` to ``t1`` waiting for the request
+    of the nonblocking ``call`` (the first pending one of a ``wait_all``), and ``span(name,
+    t0, t1)`` when a :func:`phase` ends (``time.monotonic()`` seconds)."""
     if hook in _HOOKS:
         return
     _HOOKS.append(hook)
@@ -89,7 +96,8 @@ def hooks() -> list[Any]:
 
 
 def _rebuild_hooks() -> None:
-    for lst, attr in ((_ENTER, "enter"), (_EXIT, "exit"), (_ERROR, "error")):
+    for lst, attr in ((_ENTER, "enter"), (_EXIT, "exit"), (_ERROR, "error"), (_WAIT, "wait"),
+                      (_SPAN, "span")):
         lst[:] = [getattr(h, attr) for h in _HOOKS if getattr(h, attr, None) is not None]
 
 
@@ -127,14 +135,21 @@ def set_step(step: int) -> None:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Calls inside the block record the phase ``name`` (forward, backward, optimizer,
-    checkpoint, ...); the previous phase afterwards. Not collective."""
+    checkpoint, ...); the previous phase afterwards. The hooks' ``span`` sees the block
+    when it ends (a phase entered inside the same phase is not a span of its own). Not
+    collective."""
     previous, _CTX[1] = _CTX[1], name
+    t0 = time.monotonic() if _SPAN and previous != name else 0.0
     try:
         for f in _CONTEXT:
             f()
         yield
     finally:
         _CTX[1] = previous
+        if t0 and _SPAN:
+            t1 = time.monotonic()
+            for g in _SPAN:
+                g(name, t0, t1)
 
 
 def step_phase() -> tuple[int, str]:
@@ -202,16 +217,22 @@ def fail(call: Call, exc: BaseException) -> None:
 
 @contextlib.contextmanager
 def blocked_in(call: Call | None) -> Iterator[None]:
-    """This thread is blocked in ``call`` (for :func:`inside`) while the block runs."""
+    """This thread is blocked in ``call`` (for :func:`inside`) while the block runs; the
+    hooks' ``wait`` sees how long."""
     if call is None:
         yield
         return
     tid = threading.get_ident()
     _INSIDE[tid] = call
+    t0 = time.monotonic() if _WAIT else 0.0
     try:
         yield
     finally:
         _INSIDE.pop(tid, None)
+        if t0 and _WAIT:
+            t1 = time.monotonic()
+            for f in _WAIT:
+                f(call, t0, t1)
 
 
 def run(call: Call, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core.timeline import span
+
 __all__ = ["StageChunks", "chunk_spans"]
 
 
@@ -76,9 +78,10 @@ class StageChunks:
                 buf = pending.wait()
                 pending = self._gather(u - 1) if prefetch and u > lo else None
                 self.units[u].bind(self.layout.unit_views(u, buf), None)
-            if self._recompute:
-                self.units[u].forward(self._kept.pop((u, ctx)), ctx)
-            dy = self.units[u].backward_input(dy, ctx)
+            with span(f"B unit {u}", "unit", micro_batch=ctx):
+                if self._recompute:
+                    self.units[u].forward(self._kept.pop((u, ctx)), ctx)
+                dy = self.units[u].backward_input(dy, ctx)
             if buf is not None:
                 self._release(u, buf)
                 del buf
@@ -95,7 +98,8 @@ class StageChunks:
         lo, hi = self.chunk_span(chunk)
         for u in range(hi - 1, lo - 1, -1):
             if self.level < 2:
-                self.units[u].backward_weight(ctx)
+                with span(f"W unit {u}", "unit", micro_batch=ctx):
+                    self.units[u].backward_weight(ctx)
             else:
                 gbuf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
                 self._track(gbuf.nbytes)
@@ -107,7 +111,8 @@ class StageChunks:
                 else:
                     pviews = self.layout.unit_views(u, self.layout.unit_full(u, self._compute))
                 self.units[u].bind(pviews, gviews)
-                self.units[u].backward_weight(ctx)
+                with span(f"W unit {u}", "unit", micro_batch=ctx):
+                    self.units[u].backward_weight(ctx)
                 if self.level == 3:
                     self.units[u].unbind()
                 else:

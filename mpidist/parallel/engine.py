@@ -29,6 +29,7 @@ from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
 from mpidist.core.failure import ProcessFailure
+from mpidist.core.timeline import span
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
 from mpidist.optim.clipping import clip_coefficient
@@ -326,7 +327,8 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         t0 = time.perf_counter()
         local_loss = self.forward_backward(model, x, y)
         t1 = time.perf_counter()
-        model.finish_gradient_sync()
+        with span("gradient sync", "optimizer"):
+            model.finish_gradient_sync()
         t2 = time.perf_counter()
         red, tag = self.redundancy, self.step_count + 1
         if red is not None:  # the own snapshot (and the gradient shard to the copy's holder)

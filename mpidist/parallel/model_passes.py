@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
+from mpidist.core.timeline import span
 
 __all__ = ["ModelPasses"]
 
@@ -141,17 +142,19 @@ class ModelPasses:
 
     # -- activation checkpointing ------------------------------------------------------------
     def _unit_forward(self, u: int, h: Any, ctx: Any) -> Any:
-        if not self._recompute:
-            return self.units[u].forward(h, ctx)
-        self._kept[(u, ctx)] = h  # only the unit's input stays alive until its backward
-        out = self.units[u].forward(h, ctx)
-        self.units[u].clear_cache(ctx, every=False)
-        return out
+        with span(f"forward unit {u}", "unit", micro_batch=ctx):
+            if not self._recompute:
+                return self.units[u].forward(h, ctx)
+            self._kept[(u, ctx)] = h  # only the unit's input stays alive until its backward
+            out = self.units[u].forward(h, ctx)
+            self.units[u].clear_cache(ctx, every=False)
+            return out
 
     def _unit_backward(self, u: int, dy: Any, ctx: Any) -> Any:
-        if self._recompute:
-            self.units[u].forward(self._kept.pop((u, ctx)), ctx)
-        return self.units[u].backward(dy, ctx)
+        with span(f"backward unit {u}", "unit", micro_batch=ctx):
+            if self._recompute:
+                self.units[u].forward(self._kept.pop((u, ctx)), ctx)
+            return self.units[u].backward(dy, ctx)
 
     def clear_cache(self) -> None:
         """Forget every activation kept for backward (after an evaluation forward)."""

@@ -40,6 +40,7 @@ import numpy as np
 
 from mpidist.core import collectives as C
 from mpidist.core.comms import size_rank
+from mpidist.core.timeline import span
 from mpidist.parallel.schedules import SCHEDULES, orders
 
 __all__ = [
@@ -318,12 +319,18 @@ class PipelineStage:
         for kind, i, c in order:
             first = self.is_first and c == 0
             last = self.is_last and c == last_chunk
+            # (the trace's block of this operation: its computation, not its receive)
+            block = (f"{kind} {i}" + (f" c{c}" if self.virtual_stages > 1 else ""),
+                     "pipeline")
+            info = {"kind": kind, "micro_batch": i, "chunk": c, "stage": self.stage}
             if kind == "F":
                 x = inputs[i] if first else self._recv_activation(c)
-                y = self._call(self.forward, x, i, c)
-                if last and targets is not None:  # (checked above: the last has them)
-                    total += self.loss.forward(y, targets[i], normalizer=normalizer, ctx=i)
-                else:
+                with span(*block, **info):
+                    y = self._call(self.forward, x, i, c)
+                    if last and targets is not None:  # (checked above: the last has them)
+                        total += self.loss.forward(y, targets[i], normalizer=normalizer,
+                                                   ctx=i)
+                if not last or targets is None:
                     y = self.xp.ascontiguousarray(y)
                     sent_shape[(i, c)] = (y.shape, y.dtype)
                     sends += self._send_activation(y, c)
@@ -334,12 +341,15 @@ class PipelineStage:
                 # post the receive only after operations of its own, and waiting for that
                 # idled this rank (zero-bubble at 0.96 of 1F1B's step instead of 0.87-0.90
                 # at p=2, m=4); the receiver takes a large message when it gets to it.
-                self.backward_weight(i)  # type: ignore[misc]
+                with span(*block, **info):
+                    self.backward_weight(i)  # type: ignore[misc]
                 live -= 1  # what the W kept (the layers' inputs) is released
             else:  # "B" (the input gradient) or "BW" (a whole backward)
-                dy = self.loss.backward(ctx=i) if last else \
-                    self._recv_gradient(*sent_shape.pop((i, c)), chunk=c)
-                dx = self._call(self.backward, dy, i, c)
+                dy = None if last else self._recv_gradient(*sent_shape.pop((i, c)), chunk=c)
+                with span(*block, **info):
+                    if dy is None:
+                        dy = self.loss.backward(ctx=i)
+                    dx = self._call(self.backward, dy, i, c)
                 if not first:
                     sends.append(self._send_gradient(dx, c))
                 if kind == "BW":

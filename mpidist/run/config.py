@@ -93,6 +93,9 @@ class TrainConfig:
     max_workers: int = 1024
     hang_timeout: float = 300.0
     hang_abort: bool = False
+    trace: str | None = None
+    straggler_interval: int = 10
+    straggler_margin: float = 0.3
     redundancy: str = "buddy"
     progress: bool = True
 
@@ -140,6 +143,19 @@ class TrainConfig:
         if self.hang_timeout < 0:
             raise ValueError(f"hang_timeout={self.hang_timeout!r} must be >= 0 seconds "
                              "(0: no timeout)")
+        if self.trace is not None:
+            from mpidist.run.trace import parse_trace_steps
+
+            parse_trace_steps(self.trace)
+            if self.strategy == "elastic":
+                raise ValueError("--trace is not available with --strategy elastic (its "
+                                 "workers join and leave between steps)")
+        if self.straggler_interval < 0:
+            raise ValueError(f"straggler_interval={self.straggler_interval!r} must be an "
+                             "integer >= 0 (0: no reports)")
+        if not self.straggler_margin > 0:
+            raise ValueError(f"straggler_margin={self.straggler_margin!r} must be > 0 (a "
+                             "fraction: 0.3 names a rank 30% slower than the fastest)")
         if not 0 < self.topk_ratio <= 1:
             raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1]")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -429,6 +445,18 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "on; 0: never"),
     ("--hang-abort", "store_const", None,
      "after dumping for a hang, end the job (MPI_Abort) instead of only reporting"),
+    ("--trace", str, None,
+     "FIRST:LAST: record every rank's steps FIRST to LAST (forward and backward per unit, "
+     "pipeline blocks, every MPI call, data, checkpoints) into OUT/trace.json, a "
+     "Chrome/Perfetto trace (open it in https://ui.perfetto.dev), and for a pipeline "
+     "OUT/schedule.png; none: nothing is recorded"),
+    ("--straggler-interval", int, None,
+     "steps between the ranks' exchanges of their times (one small allgather): a rank "
+     "computing more than --straggler-margin slower than the fastest rank doing the same "
+     "work in two reports in a row is named (events.jsonl, the progress line, the "
+     "summary); 0: no reports"),
+    ("--straggler-margin", float, None,
+     "how much slower (a fraction) a rank's compute time may be than the fastest's"),
     ("--redundancy", str, REDUNDANCY,
      "copies for in-job recovery from a lost rank (MPI with fault tolerance: Open MPI 5 "
      "under mpiexec --with-ft ulfm; ddp, zero1-3): buddy keeps each rank's shard in its "

@@ -16,7 +16,8 @@ __all__ = ["HANG_DIR", "JSONL_FILES", "LOG_NAME", "RUN_OUTPUTS", "drop_rows_afte
 #: The run's log: rank 0's messages and the traceback of a failing rank.
 LOG_NAME = "train.log"
 #: Files a run writes next to its checkpoints.
-RUN_OUTPUTS = ("metrics.jsonl", "events.jsonl", "summary.json", "loss.png", LOG_NAME)
+RUN_OUTPUTS = ("metrics.jsonl", "events.jsonl", "summary.json", "loss.png", LOG_NAME,
+               "trace.json", "schedule.png")
 #: Where the flight recorder of every rank dumps (``mpidist doctor OUT`` reads it).
 HANG_DIR = "hang"
 #: The files that get one row per step or event.

@@ -55,6 +55,7 @@ from mpidist.run.preempt import (
 )
 from mpidist.run.recovery import RunRecovery
 from mpidist.run.resume import check_data_hash
+from mpidist.run.timeline import RunTimeline
 
 __all__ = ["EXIT_PREEMPTED", "run_training"]
 
@@ -113,6 +114,7 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
         return summary
     finally:
         if run is not None:
+            run.timeline.close()
             close = getattr(run.opt, "close", None)  # the elastic optimizer's SIGTERM handler
             if close is not None:
                 close()
@@ -148,6 +150,8 @@ class _Run:
         self.preempted = ""
         self.metrics = JsonLines(os.path.join(cfg.out, "metrics.jsonl"), self.is_root)
         self.events = JsonLines(os.path.join(cfg.out, "events.jsonl"), self.is_root)
+        # per-rank times, straggler reports, speed, the trace window (--trace)
+        self.timeline = RunTimeline(cfg, self)
         self.checkpoints = RunCheckpoints(cfg, self.events)
 
     # -- who is who --------------------------------------------------------------------------
@@ -186,18 +190,22 @@ class _Run:
             self._start(start)
         self.progress = Progress(cfg.steps, self.opt.step_count,
                                  enabled=self.is_root() and cfg.progress)
-        # metrics etc. after each step, then preemption; after a recovery, rank 0's duties
-        # move first, then the save in flight is recorded as abandoned
-        hooks: list[Any] = [self, self.recovery, self.checkpoints]
+        self.timeline.begin(self.model, self.job_comm(), self.opt.step_count,
+                            joiner=self.joiner)
+        # the step's times (and report) first; metrics etc. after each step, then
+        # preemption; after a recovery, rank 0's duties move first, then the save in flight
+        # is recorded as abandoned
+        hooks: list[Any] = [self.timeline, self, self.recovery, self.checkpoints]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
+        hooks.append(self.timeline.tail)  # the trace window opens and closes last
         t_train = time.perf_counter()
         done = 0
         while True:
             try:
-                outcome = run_steps(self.opt, self.model, self.train_data, until=cfg.steps,
-                                    sampler=self.opt.sampler, hooks=hooks)
+                outcome = run_steps(self.opt, self.model, self.timeline.data(self.train_data),
+                                    until=cfg.steps, sampler=self.opt.sampler, hooks=hooks)
             finally:
                 self.progress.close()
             seconds = time.perf_counter() - t_train
@@ -214,6 +222,7 @@ class _Run:
                 changed = recover_in_loop(self.opt, lost)
                 self.recovery.mesh_changed(changed.model, changed)
                 self.checkpoints.mesh_changed(changed.model, changed)
+                self.timeline.mesh_changed(changed.model, changed)
 
     def _maybe_resume(self) -> int:
         """Load the checkpoint the opening chose (or clear the way for a new run), then
@@ -301,7 +310,8 @@ class _Run:
             self._skipped = scaler.skipped
         tok_s = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         self.metrics.write(step=rec.step, loss=rec.loss, split="train", lr=lr,
-                           seconds=rec.seconds, tokens_per_s=tok_s, **workers)
+                           seconds=rec.seconds, tokens_per_s=tok_s, **workers,
+                           **self.timeline.fields)
         self.progress.update(rec.step, rec.loss, tok_s, workers.get("workers"))
         if not np.isfinite(rec.loss):
             raise FloatingPointError(f"loss became {rec.loss} at step {rec.step}; lower --lr")
@@ -439,6 +449,7 @@ class _Run:
             "preempted": self.preempted or None,
             "recoveries": list(self.recovery.history),
         }
+        summary.update(self.timeline.finish(comm))  # per-rank times, speed, stragglers
         if self.elastic:
             summary["inner_strategy"] = self.opt.inner_strategy
             summary["changes"] = [h for h in self.opt.history if h["event"] != "refused"]

@@ -40,6 +40,7 @@ class Progress:
         self.bar = None
         self.enabled = enabled
         self.total = total
+        self.note = ""  # shown after the loss (a straggler named, ...)
         if enabled:
             with contextlib.suppress(ImportError):
                 from tqdm import tqdm
@@ -51,13 +52,16 @@ class Progress:
         """Advance by one step. Not collective."""
         if not self.enabled:
             return
-        extra = {} if workers is None else {"workers": workers}
+        extra: dict[str, Any] = {} if workers is None else {"workers": workers}
+        if self.note:
+            extra["note"] = self.note
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", **extra,
                                  refresh=False)
             self.bar.update(1)
         elif step % max(1, self.total // 20) == 0 or step == self.total:
-            more = "" if workers is None else f"  workers {workers}"
+            more = ("" if workers is None else f"  workers {workers}") \
+                + (f"  {self.note}" if self.note else "")
             print(f"step {step}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tok/s{more}",
                   flush=True)
 
@@ -160,5 +164,9 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
         print(f"recovered in-job      lost rank(s) {rec['lost']} after step {rec['step']}: "
               f"{rec['world_size']} rank(s) went on (detect {rec['detect_s']:.3f} s, shrink "
               f"{rec['shrink_s']:.3f} s, rebuild {rec['rebuild_s']:.3f} s{redo})")
+    from mpidist.run.stragglers import rank_table_lines
+
+    for line in rank_table_lines(s):
+        print(line)
     print(f"outputs in {out}/: metrics.jsonl, events.jsonl, summary.json, checkpoints"
           + (", loss.png" if plotted else ""), flush=True)

@@ -21,12 +21,16 @@ as a user would:
   a node when the launcher deals ranks round-robin (tests/cluster/collectives_job.py).
 * benchmarks/hierarchical.py (``make bench-cluster``) runs at its smallest size and prints
   its tables (its smoke run; tests/test_benchmarks.py runs the other benchmarks').
+* a node whose processes run under a CPU quota is named a straggler host, its ranks
+  straggler ranks, and the other node's ranks are not (skipped where no cgroup can carry a
+  CPU quota).
 
 Run alone: ``MPIDIST_TEST_CLUSTER=1 python -m pytest -q -p no:cacheprovider tests/cluster``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -322,3 +326,71 @@ def test_hierarchical_benchmark_at_its_smallest_size(cluster: dict, tmp_path: Pa
     assert proc.returncode == 0, out[-3000:]
     for header in ("mpidist/bound", "default/mpidist", "vs DDP time", "link-bound ratio"):
         assert header in out, out[-3000:]
+
+
+def _cpu_quota_group(name: str) -> tuple[Path | None, str]:
+    """A new cgroup limited to a fifth of one core (v1's cpu controller, or v2's cpu.max),
+    or (None, why there is none here)."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "cpu.cfs_quota_us").exists():
+            group = v1 / name
+            group.mkdir()
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text("20000")
+            return group, ""
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split() \
+                and "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
+            group = v2 / name
+            group.mkdir()
+            (group / "cpu.max").write_text("20000 100000")
+            return group, ""
+    except OSError as exc:
+        return None, f"cannot make a CPU-quota cgroup here: {exc}"
+    return None, "no cgroup cpu controller to put a CPU quota on (v1 cpu or v2 cpu.max)"
+
+
+def test_straggler_node_under_a_cpu_quota_is_named(cluster: dict, tmp_path: Path) -> None:
+    """The second node's processes are put under a CPU quota (a fifth of one core for both
+    ranks) as training starts: its two ranks, and the node, are named stragglers; the first
+    node's ranks are not."""
+    group, why = _cpu_quota_group(f"mpidist-test-{os.getpid()}")
+    if group is None:
+        pytest.skip(why)
+    out = tmp_path / "run"
+    cmd = [str(CLUSTER), "mpirun", "-n", "4", "--map-by", "slot", "--", *_mpidist(), "train",
+           "--out", str(out), "--steps", "24", "--checkpoint-interval", "0", "--strategy",
+           "ddp", "--straggler-interval", "4", *TINY,
+           # a model whose step is mostly computation: the quota's stalls land in it
+           "--n-embd", "128", "--block-size", "64"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=cluster, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        moved: set[str] = set()
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while job.poll() is None and time.monotonic() < deadline and not _rows(out):
+            pids = subprocess.run(["ip", "netns", "pids", "mpdtest2"], capture_output=True,
+                                  text=True, check=False).stdout.split()
+            for pid in set(pids) - moved:  # the node's daemon and ranks, as they appear
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(pid)
+                    moved.add(pid)
+            time.sleep(0.02)
+        log, _ = job.communicate(timeout=JOB_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    assert job.returncode == 0, log[-3000:]
+    assert moved, "no process of the second node was seen"
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    named = [e for e in events if e["event"] == "straggler"]
+    ranks = {d["rank"] for e in named for d in e["ranks"]}
+    assert ranks == {2, 3}, (named, log[-2000:])
+    assert any(e["hosts"] == ["mpdtest2"] for e in named), named
+    assert all(d["host"] == "mpdtest2" for e in named for d in e["ranks"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {d["rank"] for e in summary["stragglers"] for d in e["ranks"]} == {2, 3}
