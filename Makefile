@@ -263,18 +263,20 @@ clean:
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= runs/gpu-check
 GPU_CHECK_ARGS ?=
+GPU_CHECK_TIMEOUT ?= 330
 gpu-check:
-	timeout -k 10 480 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	timeout -k 10 $(GPU_CHECK_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) \
+	  --deadline $$(( $(GPU_CHECK_TIMEOUT) - 20 )) $(GPU_CHECK_ARGS)
 
 # The GPU check's own logic without a GPU (the kernels under Numba's simulator, the rest on
 # CPU tensors), as CI runs it; skipped without torch.
 test-gpu-dry: warm
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  $(MAKE) --no-print-directory gpu-check GPU_PYTHON=$(PY) GPU_CHECK_OUT=runs/gpu-check-dry \
-	    GPU_CHECK_ARGS=--dry-run; \
+	    GPU_CHECK_ARGS=--dry-run GPU_CHECK_TIMEOUT=600; \
 	else echo "make test-gpu-dry: skipped (needs torch: make setup WITH_TORCH=1)"; fi
 
-# Where a package index is reachable: the wheels gpu-check installs (into gpu-wheels/site,
+# Where a package index is reachable: the wheels gpu-check installs (into gpu-wheels/prefix,
 # from these files only) when the GPU machine's mpi4py cannot start MPI. Python 3.12, x86-64.
 GPU_WHEEL_PYTHON ?= 3.12
 gpu-wheels: setup

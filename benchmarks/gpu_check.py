@@ -49,6 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # this tree's mpidist, run as benchmarks/gpu_check.py
 ITEMS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {}
 KERNEL_CASES = [
     ("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -175,6 +176,37 @@ def _timer(dry: bool) -> Callable[[Callable[[], None], int], float]:
     return events
 
 
+def device_copy_bandwidth(n: int, reps: int, timed: Callable, dry: bool
+                          ) -> tuple[float, dict[str, float]]:
+    """Bytes per second (read plus written) of a device-to-device copy of ``n`` float32:
+    the fastest of Numba's copy (a cudaMemcpy, slower on Hopper than a copy kernel),
+    CuPy's and torch's (copy kernels) where they work; and each one's figure."""
+    import numpy as np
+    from numba import cuda
+
+    src, dst = cuda.to_device(np.ones(n, np.float32)), cuda.device_array(n, np.float32)
+    out = {"numba memcpy": 2 * 4 * n / timed(lambda: dst.copy_to_device(src), reps)}
+
+    if not dry:
+        try:
+            import cupy
+
+            a, b = cupy.ones(n, cupy.float32), cupy.empty(n, cupy.float32)
+            out["cupy"] = 2 * 4 * n / timed(lambda: b.__setitem__(Ellipsis, a), reps)
+
+        except Exception as e:  # no CuPy here
+            log(f"  cupy copy: skipped ({type(e).__name__})")
+        try:
+            import torch
+
+            a, b = torch.ones(n, device="cuda"), torch.empty(n, device="cuda")
+            out["torch"] = 2 * 4 * n / timed(lambda: b.copy_(a), reps)
+
+        except Exception as e:  # no torch with CUDA here
+            log(f"  torch copy: skipped ({type(e).__name__})")
+    return max(out.values()), out
+
+
 @item("bandwidth")
 def check_bandwidth(args: argparse.Namespace) -> tuple[str, str]:
     import numpy as np
@@ -185,10 +217,9 @@ def check_bandwidth(args: argparse.Namespace) -> tuple[str, str]:
     n = 1 << (8 if args.dry_run else 27)
     reps = 2 if args.dry_run else 10
     timed = _timer(args.dry_run)
-    src, dst = cuda.to_device(np.ones(n, np.float32)), cuda.device_array(n, np.float32)
-    copy_s = timed(lambda: dst.copy_to_device(src), reps)
-    copy_bw = 2 * 4 * n / copy_s
-    log(f"  device-to-device copy: {copy_bw / 1e9:.0f} GB/s ({n} float32)")
+    copy_bw, copies = device_copy_bandwidth(n, reps, timed, args.dry_run)
+    log(f"  device-to-device copy ({n} float32): " + ", ".join(
+        f"{k} {v / 1e9:.0f} GB/s" for k, v in copies.items()) + " (the fastest is the bar)")
     rows, low = [], []
     for name, hp in KERNEL_CASES[:1] + KERNEL_CASES[2:]:
         opt = optim.create(name, **hp)
@@ -201,7 +232,8 @@ def check_bandwidth(args: argparse.Namespace) -> tuple[str, str]:
         log(f"  {name:7s} {moved / seconds / 1e9:7.0f} GB/s = {ratio:.2f} x copy")
         if ratio < 0.8:
             low.append(name)
-    detail = f"copy {copy_bw / 1e9:.0f} GB/s; " + ", ".join(rows)
+    detail = (f"copy {copy_bw / 1e9:.0f} GB/s (" + ", ".join(
+        f"{k} {v / 1e9:.0f}" for k, v in copies.items()) + "); " + ", ".join(rows))
     if args.dry_run:
         return "PASS", "dry run (simulator; speed goal not applied): " + detail
     return ("FAIL" if low else "PASS"), detail
@@ -258,37 +290,71 @@ def check_adamw(args: argparse.Namespace) -> tuple[str, str]:
     return ("FAIL" if slow else "PASS"), "; ".join(out)
 
 
+_MPI_ENV: dict[str, str] | None = None
+
+
+def time_left(args: argparse.Namespace) -> float:
+    """Seconds left before the run's ``--deadline`` (a large number without one)."""
+    end = getattr(args, "deadline_at", None)
+    return 1e9 if end is None else end - time.monotonic()
+
+
 def _mpi_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment for the ranks: this tree on the path, and the carried wheels
-    (``gpu-wheels/site``) when the machine's own mpi4py cannot start MPI."""
+    (``gpu-wheels/``, installed into ``gpu-wheels/prefix``) when the machine's own mpi4py
+    cannot start MPI. Worked out once per run."""
+    global _MPI_ENV
+    if _MPI_ENV is not None:
+        return dict(_MPI_ENV)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONWARNINGS="ignore")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    probe = [sys.executable, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"]
-    if subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0:
-        return env
+    probe = [sys.executable, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
+             "print(MPI.Get_library_version().splitlines()[0][:60])"]
+
+    def works(env: dict[str, str]) -> str:
+        try:
+            proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            return ""
+        if proc.returncode:
+            log(f"  mpi4py cannot start MPI: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    found = works(env)
+    if found:
+        log(f"  MPI: the machine's own mpi4py ({found})")
+        _MPI_ENV = env
+        return dict(env)
     wheels = sorted((ROOT / "gpu-wheels").glob("*.whl"))
-    site = ROOT / "gpu-wheels" / "site"
-    if wheels and not site.is_dir():  # from the carried files: no index is contacted
+    prefix = ROOT / "gpu-wheels" / "prefix"
+    if wheels and not prefix.is_dir():  # from the carried files: no index is contacted
+        # --prefix, not --target: --target drops the wheel's lib/ (Open MPI's libraries)
         install = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
-                   "--target", str(site)] + [str(w) for w in wheels]
-        log(subprocess.run(install, capture_output=True, text=True).stdout[-2000:])
-    if site.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
-        env["PATH"] = os.pathsep.join([str(site / "bin"), env.get("PATH", "")])
-        if subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0:
-            log(f"  MPI from the carried wheels ({', '.join(w.name for w in wheels)})")
-            return env
+                   "--ignore-installed", "--no-compile", "--prefix", str(prefix)]
+        proc = subprocess.run(install + [str(w) for w in wheels], capture_output=True,
+                              text=True)
+        log((proc.stdout + proc.stderr)[-2000:])
+    sites = sorted(prefix.glob("lib/python*/site-packages"))
+    if sites:
+        env["PYTHONPATH"] = os.pathsep.join([str(sites[0]), env["PYTHONPATH"]])
+        env["PATH"] = os.pathsep.join([str(prefix / "bin"), env.get("PATH", "")])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [str(prefix / "lib"), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+        env["OPAL_PREFIX"] = str(prefix)
+        found = works(env)
+        if found:
+            log(f"  MPI from the carried wheels ({', '.join(w.name for w in wheels)}): {found}")
+            _MPI_ENV = env
+            return dict(env)
     raise Skip("mpi4py cannot start MPI here, and gpu-wheels/ holds no working MPI "
                "(make gpu-wheels, where a package index is reachable)")
 
 
 @item("env")
 def check_env(args: argparse.Namespace) -> tuple[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]))
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env = _mpi_env(args)
     proc = subprocess.run([sys.executable, "-m", "mpidist.cli", "env"], env=env,
                           capture_output=True, text=True, timeout=120)
     log(proc.stdout + proc.stderr[-2000:])
@@ -315,7 +381,20 @@ def check_ranks(args: argparse.Namespace) -> tuple[str, str]:
                 results.append(f"{n} ranks: SKIP (no mpiexec)")
                 continue
             cmd = [mpiexec.stdout.strip(), "-n", str(n)] + cmd
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        limit = min(300.0, time_left(args) - 5)
+        if limit < 10:
+            failed.append(f"{n} ranks: not run (the run's deadline)")
+            continue
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=limit)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            log(out[-4000:])
+            failed.append(f"{n} ranks: timed out after {limit:.0f} s")
+            results += [f"{n}r {r['what']}: {r['status']}" for r in
+                        (json.loads(x) for x in out.splitlines() if x.startswith("{"))]
+            continue
         log(proc.stdout[-4000:] + proc.stderr[-4000:])
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not rows:
@@ -342,42 +421,82 @@ def check_engine_speed(args: argparse.Namespace) -> tuple[str, str]:
     return gpu_check_engine.speed(args, log=log, mpi_env=_mpi_env, skip=Skip)
 
 
+def write_summary(out: Path, rows: list[dict], pending: list[str]) -> None:
+    """The summary table (``summary.md``) and its rows (``summary.json``) of the items
+    done so far; the items still to run are listed as not run, so a run cut short by its
+    time limit still says what it did and what it did not reach."""
+    rows = rows + [{"item": n, "status": "NOT RUN", "detail": "the run ended before it",
+                    "seconds": 0} for n in pending]
+    table = ["| item | status | seconds | detail |", "|---|---|---|---|"]
+    table += [f"| {r['item']} | {r['status']} | {r['seconds']} | {r['detail']} |" for r in rows]
+    (out / "summary.md").write_text("\n".join(table) + "\n")
+    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+#: seconds an item needs at least to be started before the deadline
+MIN_SECONDS = {"env": 10, "kernels": 30, "bandwidth": 15, "adamw": 20, "ranks": 45,
+               "engine": 45, "engine_speed": 60}
+
+
+def machine() -> str:
+    """One line naming the GPU and the versions the check runs with."""
+    parts = [f"python {sys.version.split()[0]}"]
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+        parts.append(proc.stdout.strip() or "nvidia-smi: no GPU")
+    except (OSError, subprocess.TimeoutExpired):
+        parts.append("no nvidia-smi")
+    for mod in ("numpy", "numba", "numba_cuda", "torch", "cupy", "h5py", "mpi4py"):
+        try:
+            parts.append(f"{mod} {__import__(mod).__version__}")
+        except Exception as e:  # absent, or broken: said, not fatal
+            parts.append(f"{mod} ({type(e).__name__})")
+    return "; ".join(parts)
+
+
 def main() -> int:
     global LOG
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="directory for log and summary")
     p.add_argument("--dry-run", action="store_true", help="no GPU: simulator and CPU")
     p.add_argument("--only", default="", help="comma-separated items (default: all)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds the whole check may take: an item is started only with "
+                        "enough of them left, the others are reported as not run")
     args = p.parse_args()
     if args.dry_run:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba.cuda is first imported
+    args.deadline_at = time.monotonic() + args.deadline if args.deadline > 0 else None
     args.out.mkdir(parents=True, exist_ok=True)
     LOG = open(args.out / "gpu-check.log", "w")  # noqa: SIM115 - for the whole run
     names = [x for x in args.only.split(",") if x] or list(ITEMS)
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         p.error(f"--only {','.join(unknown)}: items are {', '.join(ITEMS)}")
-    log(f"gpu-check {'(dry run) ' if args.dry_run else ''}python {sys.version.split()[0]}")
-    rows = []
-    for name in names:
+    log(f"gpu-check {'(dry run) ' if args.dry_run else ''}{machine()}")
+    rows: list[dict] = []
+    write_summary(args.out, rows, names)
+    for i, name in enumerate(names):
         log(f"== {name}")
         start = time.perf_counter()
-        try:
-            status, detail = ITEMS[name](args)
-        except Skip as e:
-            status, detail = "SKIP", str(e)
-        except Exception as e:  # the item failed: its traceback is in the log
-            status, detail = "FAIL", f"{type(e).__name__}: {e}"
-            log(traceback.format_exc())
+        if time_left(args) < MIN_SECONDS.get(name, 10):
+            status, detail = "NOT RUN", f"{time_left(args):.0f} s left of --deadline"
+        else:
+            try:
+                status, detail = ITEMS[name](args)
+            except Skip as e:
+                status, detail = "SKIP", str(e)
+            except Exception as e:  # the item failed: its traceback is in the log
+                status, detail = "FAIL", f"{type(e).__name__}: {e}"
+                log(traceback.format_exc())
         rows.append({"item": name, "status": status, "detail": detail,
                      "seconds": round(time.perf_counter() - start, 1)})
         log(f"{status} {name} ({rows[-1]['seconds']} s): {detail}")
-    table = ["| item | status | seconds | detail |", "|---|---|---|---|"]
-    table += [f"| {r['item']} | {r['status']} | {r['seconds']} | {r['detail']} |" for r in rows]
-    (args.out / "summary.md").write_text("\n".join(table) + "\n")
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+        write_summary(args.out, rows, names[i + 1:])
     print("\n".join(f"{r['status']:4s} {r['item']}" for r in rows))
-    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+    return 1 if any(r["status"] in ("FAIL", "NOT RUN") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ Run the items with ``python3 benchmarks/gpu_check.py --out DIR --only engine,eng
     python3 benchmarks/gpu_check_engine.py measure [--device cuda] [--tiny]
 
 is what ``engine_speed`` runs in its fresh process: one JSON line per precision.
+``profile`` (same options, ``--rows N``) prints the kernels of a few engine steps by
+device time (torch's profiler), to see where a slow step goes.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 class PartFailed(Exception):
     """One part of an item failed; the message says how."""
+
+
+def item_budget(args: argparse.Namespace, seconds: float) -> Budget:
+    """An item's budget: ``seconds``, or what is left before the run's deadline
+    (``args.deadline_at``, a ``time.monotonic()`` value, where there is one) less a margin."""
+    end = getattr(args, "deadline_at", None)
+    if end is not None:
+        seconds = min(seconds, end - time.monotonic() - 5)
+    return Budget(max(seconds, 0.0))
 
 
 class Budget:
@@ -261,7 +272,7 @@ def parity(args: argparse.Namespace, *, log: Callable[..., None],
     """The ``engine`` item: ``(status, detail)``. ``skip`` is raised (by ``mpi_env``) when
     MPI cannot start even one rank."""
     device = "cpu" if args.dry_run else "cuda"
-    clock = Budget(DRY_BUDGET_S if args.dry_run else BUDGET_S["engine"])
+    clock = item_budget(args, DRY_BUDGET_S if args.dry_run else BUDGET_S["engine"])
     env = mpi_env(args)
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, "1")  # tiny runs, ranks sharing cores
@@ -293,7 +304,8 @@ def speed(args: argparse.Namespace, *, log: Callable[..., None],
           skip: type[Exception]) -> tuple[str, str]:
     """The ``engine_speed`` item: ``(status, detail)``, measured in a fresh process.
     ``skip`` is raised (by ``mpi_env``) when MPI cannot start the engine's one rank."""
-    clock = Budget(DRY_BUDGET_S if args.dry_run else BUDGET_S["engine_speed"])
+    clock = item_budget(args, DRY_BUDGET_S if args.dry_run else
+                        BUDGET_S["engine_speed"])
     env = mpi_env(args)  # the engine asks MPI for its (one-rank) world
     cmd = [sys.executable, str(Path(__file__).resolve()), "measure"]
     if args.dry_run:
@@ -449,15 +461,69 @@ def measure_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_main(args: argparse.Namespace) -> int:
+    """Where the engine's training step spends its GPU time: torch's profiler (CUPTI sees
+    every kernel of the process: Numba's, CuPy's, cuBLAS's) around a few steps of the
+    ``measure`` model at each precision; prints the kernels by total device time."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mpidist import optim
+    from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
+    from mpidist.parallel import STRATEGIES, ShardingConfiguration
+
+    cfg = GPTConfig(**(TINY_GPT if args.tiny else GPT2_SMALL))
+    b = args.batch or (4 if args.tiny else 8)
+    rng = np.random.default_rng(1)
+    batch = (rng.integers(0, cfg.vocab_size, (b, cfg.block_size)),
+             rng.integers(0, cfg.vocab_size, (b, cfg.block_size)))
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    for precision in [p for p in args.precisions.split(",") if p]:
+        try:
+            config = ShardingConfiguration(device=args.device, precision=precision,
+                                           dtype="float32")
+            opt = STRATEGIES["ddp"](optim.create("adamw", **ADAMW), config,
+                                    loss=CrossEntropyLoss())
+            model = opt.wrap(GPT(cfg), seed=0)
+        except (ValueError, NotImplementedError) as e:
+            print(f"== {precision}: refused ({e})", flush=True)
+            continue
+        for _ in range(2):  # compile and warm up
+            opt.step(model, batch)
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+        sync()
+        steps = 3
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                opt.step(model, batch)
+            sync()
+        wall = (time.perf_counter() - t0) / steps
+        key = "device_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+        events = prof.key_averages()
+        device_total = sum(getattr(e, "self_device_time_total", 0) for e in events) / steps
+        print(f"== {precision}: {wall * 1e3:.1f} ms per step (profiled), kernels "
+              f"{device_total / 1e3:.1f} ms per step", flush=True)
+        print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=70),
+              flush=True)
+        _free_device_memory()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("measure",))
+    p.add_argument("command", choices=("measure", "profile"))
+    p.add_argument("--rows", type=int, default=25, help="profile: rows of the kernel table")
     p.add_argument("--device", default="cuda", help="measure: cuda or cpu (default: cuda)")
     p.add_argument("--tiny", action="store_true", help="measure: a tiny GPT")
     p.add_argument("--batch", type=int, default=0, help="measure: samples per step")
     p.add_argument("--precisions", default=",".join(REQUIRED),
                    help="measure: comma-separated precisions (default: full,mixed-bf16)")
-    return measure_main(p.parse_args())
+    args = p.parse_args()
+    return profile_main(args) if args.command == "profile" else measure_main(args)
 
 
 if __name__ == "__main__":

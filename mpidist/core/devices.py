@@ -28,8 +28,29 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy", "copy_to_host", "cuda_aware", "is_device", "pinned_empty", "scale", "stage",
-           "view"]
+__all__ = ["copy", "copy_to_host", "cuda_aware", "is_device", "numba_cuda", "pinned_empty", "scale",
+           "stage", "view"]
+
+
+def _removed_row_stack(*arrays: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``numpy.row_stack`` (an alias of ``numpy.vstack`` that NumPy 2.5
+    removed), so that numba-cuda releases that still register an overload of it compile."""
+    return np.vstack(*arrays, **kwargs)
+
+
+def numba_cuda() -> Any:
+    """``numba.cuda``, usable with NumPy >= 2.5. Not collective.
+
+    numba-cuda up to at least 0.30 registers an overload of ``np.row_stack`` when it
+    compiles its first kernel, unguarded, and NumPy 2.5 removed that alias: every kernel
+    launch then fails with ``AttributeError: module 'numpy' has no attribute 'row_stack'``.
+    Where the alias is missing it is put back (as a function of its own, calling
+    ``np.vstack``) before ``numba.cuda`` is imported; nothing else of NumPy is touched."""
+    if not hasattr(np, "row_stack"):
+        np.row_stack = _removed_row_stack  # noqa: NPY201 - put back for numba-cuda
+    from numba import cuda
+
+    return cuda
 
 
 def is_device(a: Any) -> bool:
@@ -61,8 +82,7 @@ def view(a: Any, *, sync: bool = True) -> Any:
     on the same (default) stream as the work that made it needs no wait."""
     if hasattr(a, "copy_to_host") and hasattr(a, "copy_to_device"):
         return a
-    from numba import cuda
-
+    cuda = numba_cuda()
     if hasattr(cuda, "as_cuda_array"):
         return cuda.as_cuda_array(a, sync=sync)
     return _simulated(a)
@@ -109,7 +129,7 @@ def stage(a: Any, *, read: bool = True) -> tuple[Any, Callable[[Any], None] | No
     filled)."""
     if not is_device(a):
         return a, None
-    from numba import cuda
+    cuda = numba_cuda()
 
     d = view(a)
     if cuda_aware():
@@ -131,9 +151,7 @@ def pinned_empty(nbytes: int) -> np.ndarray:
     """A new uninitialised host array of ``nbytes`` bytes (uint8) in pinned (page-locked)
     memory, which copies from and to a device reach by DMA, without a staging copy.
     Needs Numba's CUDA (or its simulator)."""
-    from numba import cuda
-
-    return cuda.pinned_array((int(nbytes),), dtype=np.uint8)
+    return numba_cuda().pinned_array((int(nbytes),), dtype=np.uint8)
 
 
 def copy_to_host(dst: np.ndarray, src: Any) -> None:
@@ -180,7 +198,7 @@ def scale(a: Any, n: int) -> None:
         return
     d = view(a).reshape(-1)
     if "kernel" not in _SCALE:
-        from numba import cuda
+        cuda = numba_cuda()
 
         # ``cuda`` must be a global of the kernel (the simulator swaps globals only).
         scope: dict[str, Any] = {"cuda": cuda}

@@ -42,13 +42,14 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import cuda
 
-from mpidist.core import arrays
+from mpidist.core import arrays, devices
 from mpidist.optim.kernels import cuda as K
 from mpidist.optim.kernels import is_device_array
 
 from .fused_cpu import GELU_A, GELU_C
+
+cuda = devices.numba_cuda()  # numba.cuda, with NumPy >= 2.5 too
 
 __all__ = [
     "BLOCK",

@@ -165,7 +165,7 @@ class Optimizer:
                     f"{type(n_or_param).__name__} with shape {shape}"
                 )
             n = int(shape[0])
-            dt = np.dtype(n_or_param.dtype)
+            dt = _dtype_of(n_or_param)
             if dtype is not None and np.dtype(dtype) != dt:
                 raise ValueError(f"{owner}: dtype={np.dtype(dtype)} but the parameter is {dt}")
             xp = _library(n_or_param)
@@ -265,9 +265,28 @@ class Optimizer:
         raise NotImplementedError
 
 
+def _dtype_of(param: Any) -> np.dtype:
+    """The NumPy dtype of a parameter shard: its ``dtype``, or for a device array of a
+    library NumPy does not know (a torch CUDA tensor) the typestr of its
+    ``__cuda_array_interface__``."""
+    try:
+        return np.dtype(param.dtype)
+    except TypeError:
+        cai = getattr(param, "__cuda_array_interface__", None)
+        if cai is None:
+            raise
+        return np.dtype(cai["typestr"])
+
+
 def _library(param: Any) -> Any:
     """The array namespace of a parameter shard; None for a Numba device array (which has
-    none: its state buffers are Numba device arrays too)."""
+    none: its state buffers are Numba device arrays too) and for a device array of a
+    library without an array namespace (a torch CUDA tensor: Numba device buffers too)."""
     if kernels.is_device_array(param) and hasattr(param, "copy_to_host"):
         return None  # (the simulator's arrays pass __array_namespace__ on to NumPy's)
-    return arrays.namespace(param)
+    try:
+        return arrays.namespace(param)
+    except TypeError:
+        if kernels.is_device_array(param):
+            return None
+        raise

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cuda
 
 from mpidist.core import devices
+
+cuda = devices.numba_cuda()  # numba.cuda, with NumPy >= 2.5 too
 
 __all__ = [
     "as_device_array",

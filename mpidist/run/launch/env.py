@@ -118,7 +118,9 @@ def _cuda_info() -> str:
         return "numba not installed"
     sim = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
     try:
-        from numba import cuda
+        from mpidist.core.devices import numba_cuda
+
+        cuda = numba_cuda()
     except ImportError:
         return "numba.cuda not importable"
     try:

@@ -91,3 +91,38 @@ def test_clip_scale_on_device():
     scale, norm = optim.clip_scale([cuda.to_device(x)], 1.0)
     np.testing.assert_allclose(norm, np.linalg.norm(x), rtol=1e-14)
     np.testing.assert_allclose(scale, 1.0 / (norm + 1e-6), rtol=1e-14)
+
+
+class _ForeignDeviceArray:
+    """A device array of a library NumPy does not know (as a torch CUDA tensor is): a
+    ``dtype`` NumPy cannot interpret and no array namespace, only the CUDA array
+    interface of the memory it holds."""
+
+    dtype = "foreign.float32"
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host  # the simulator's "device" memory is host memory
+        self.shape = host.shape
+        self.__cuda_array_interface__ = {
+            "shape": host.shape, "typestr": host.dtype.str, "strides": None,
+            "data": (host.ctypes.data, False), "version": 3}
+
+
+def test_foreign_device_array_takes_numba_state_and_matches_cpu():
+    """A parameter given as another library's device array (a torch CUDA tensor on a GPU;
+    found there: ``init_state`` took ``np.dtype(torch.float64)`` and failed) gets Numba
+    device state buffers and the CPU kernel's result."""
+    from numba import cuda
+
+    rng = np.random.default_rng(9)
+    opt = optim.create("adamw", lr=0.01, weight_decay=0.1)
+    p_cpu = rng.standard_normal(N).astype(np.float32)
+    p_dev = _ForeignDeviceArray(p_cpu.copy())
+    st_cpu, st_dev = opt.init_state(p_cpu), opt.init_state(p_dev)
+    assert all(k.is_device_array(b) and hasattr(b, "copy_to_host")
+               for b in st_dev.buffers.values())
+    for _ in range(STEPS):
+        g = rng.standard_normal(N).astype(np.float32)
+        opt.update(p_cpu, g, st_cpu)
+        opt.update(p_dev, cuda.to_device(g), st_dev)
+    np.testing.assert_allclose(p_dev.host, p_cpu, **TOL[np.float32])
