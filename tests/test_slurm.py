@@ -369,3 +369,36 @@ def test_torch_fsdp_tp_job(slurm, workdir: Path) -> None:
     assert "resumed at step 4 from runs/torch on 4 rank(s), fsdp" in text
     assert "saved runs/torch/step-00000006" in text
     assert (workdir / "runs/torch/latest").read_text().strip() == "6"
+
+
+@pytest.mark.timeout(600)
+def test_ulfm_job_survives_a_killed_rank(slurm, workdir: Path) -> None:
+    """jobs/train-ulfm.sbatch: mpirun --with-ft ulfm inside the allocation; rank 2 SIGKILLs
+    itself in step 5 (MPIDIST_FT_KILL), the other three recover in the job and finish with
+    the single-process losses (float64, 1e-9); the job ends COMPLETED with exit code 0."""
+    prefix = Path(os.environ.get("MPIDIST_ULFM_PREFIX") or REPO / ".ulfm")
+    if not (prefix / "bin" / "mpiexec").exists():
+        pytest.skip(f"no Open MPI 5 with fault tolerance at {prefix} (make ulfm)")
+    steps = 8
+    args = TINY + f" --steps {steps} --dtype float64 --no-progress"
+    env = {k: v for k, v in _job_env().items() if not k.startswith("MPIDIST_FT")}
+    ref = subprocess.run([sys.executable, "-m", "mpidist", "train", *args.split(), "--out",
+                          str(workdir / "reference")], cwd=workdir, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    want = {r["step"]: r["loss"] for r in _rows(workdir / "reference/metrics.jsonl")
+            if r["split"] == "train"}
+    job = _sbatch(workdir, "train-ulfm.sbatch", MPIDIST_TRAIN_ARGS=args,
+                  MPIDIST_OUT="runs/ulfm", MPIDIST_ULFM_PREFIX=str(prefix),
+                  MPIDIST_FT_KILL="rank=2,step=5,phase=backward")
+    text = _assert_ok(_wait(job))
+    assert "fault tolerance : on (Open MPI v5" in text, text
+    assert "in-job recovery on (--redundancy buddy" in text, text
+    assert "SIGKILL of rank 2 at step 5" in text and "lost rank 2;" in text, text
+    out = workdir / "runs/ulfm"
+    summary = _check_run(out, steps=steps, world_size=3, strategy="zero2")
+    assert [r["lost"] for r in summary["recoveries"]] == [[2]], summary["recoveries"]
+    got = {r["step"]: r["loss"] for r in _rows(out / "metrics.jsonl") if r["split"] == "train"}
+    assert sorted(got) == sorted(want)
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-9, (got, want)
+    assert "all checksums verified" in text

@@ -18,13 +18,14 @@ raises the same :class:`~mpidist.checkpoint.CheckpointError` on every rank and t
 previous checkpoint stays), sleep, or block (the writer stops there; a test then kills the
 processes). Set it with :func:`set_writer_hook`, or for a whole program (``mpidist train``
 under ``mpiexec``) with the environment variable ``MPIDIST_CHECKPOINT_WRITER_HOOK``:
-comma-separated ``key=value`` items ``point=<point>`` (required), ``action=fail|stop|delay``
-(required), ``seconds=S`` (for ``delay``), ``rank=R`` (only that rank of the save's
-communicator; default every rank), ``step=S`` (only the save whose ``step`` attribute is S;
-default every save). ``stop`` and ``delay`` print one line to stderr when they start
-(``mpidist: checkpoint writer hook: rank R (pid P) stop at mid-write of step S``); ``stop`` waits
-until the save is abandoned (or forever in a blocking save); ``fail`` raises
-``OSError(ENOSPC)``.
+comma-separated ``key=value`` items ``point=<point>`` (required),
+``action=fail|stop|delay|kill`` (required), ``seconds=S`` (for ``delay``), ``rank=R`` (only
+that rank of the save's communicator; default every rank), ``step=S`` (only the save whose
+``step`` attribute is S; default every save). ``stop``, ``delay`` and ``kill`` print one
+line to stderr when they start (``mpidist: checkpoint writer hook: rank R (pid P) stop at
+mid-write of step S``); ``stop`` waits until the save is abandoned (or forever in a
+blocking save); ``fail`` raises ``OSError(ENOSPC)``; ``kill`` SIGKILLs the rank's process
+there (a rank lost mid-write, for the tests of in-job recovery).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +53,7 @@ __all__ = ["HOOK_ENV", "WRITER_POINTS", "WriteCancelled", "WriterContext", "env_
 WRITER_POINTS = ("before-write", "mid-write", "before-commit")
 #: The environment variable that sets a writer hook for a whole program.
 HOOK_ENV = "MPIDIST_CHECKPOINT_WRITER_HOOK"
-_ACTIONS = ("fail", "stop", "delay")
+_ACTIONS = ("fail", "stop", "delay", "kill")
 
 
 class WriteCancelled(Exception):  # noqa: N818 - not an error: the save was abandoned
@@ -143,6 +145,8 @@ class _EnvHook:
         sys.stderr.write(f"mpidist: checkpoint writer hook: rank {ctx.rank} (pid {os.getpid()}) "
                          f"{self.action} at {point} of step {ctx.step}\n")
         sys.stderr.flush()
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "delay":
             ctx.cancel.wait(self.seconds)
         else:

@@ -74,7 +74,7 @@ class ProcessFailure(RuntimeError):
 class UnrecoverableFailure(RuntimeError):
     """A failure the survivors cannot recover from in the job (a rank and the holder of its
     copy dead together, no copies kept, a strategy without in-job recovery, a failure
-    during a checkpoint save). Its message is the one line a user reads; the job should
+    during an MPI-IO checkpoint save). Its message is the one line a user reads; the job should
     end with a non-zero status so that a supervisor or requeue restarts it from its last
     checkpoint. Every survivor raises the same one (the decision is agreed)."""
 

@@ -114,7 +114,21 @@ def off_reason(opt: Any) -> str | None:
         return why or "--redundancy none keeps no copies"
     if opt.model.dp_size < 2:
         return "a single data-parallel rank has no survivor to go on"
+    if _reordered(opt):
+        return ("the mesh orders the data-parallel ranks by node, not as the launcher "
+                "numbered them (start the ranks node by node, e.g. mpirun --map-by slot)")
     return None
+
+
+def _reordered(opt: Any) -> bool:
+    """Whether the data-parallel group's ranks are in another order than the top
+    communicator's (the mesh groups ranks by node). The recovery's table, its holders and
+    its transfers count ranks in the top communicator's order, so it must not run then.
+    The same on every rank (both member lists are known everywhere). Not collective."""
+    top, dp = info(opt.build_comm), info(opt.model.comm)
+    if top is None or dp is None:
+        return False
+    return list(top.members) != list(dp.members)
 
 
 def lost_words(dead: Sequence[int]) -> str:

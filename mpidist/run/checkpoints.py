@@ -19,14 +19,19 @@ next periodic save writes a new one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 from mpidist.checkpoint import CheckpointError
+from mpidist.checkpoint.agreement import io_mode
 from mpidist.checkpoint.background import AsyncCheckpoint, default_pool
+from mpidist.checkpoint.paths import TMP_RE, latest_checkpoint
 from mpidist.checkpoint.training import save_training
 from mpidist.core.comms import phase
+from mpidist.core.failure import ProcessFailure, UnrecoverableFailure, commit, shrink
+from mpidist.parallel.recovery import lost_words
 from mpidist.run.config import TrainConfig
 from mpidist.run.outputs import JsonLines
 from mpidist.run.preempt import StepAgreement
@@ -49,6 +54,7 @@ class RunCheckpoints:
         self.pending: AsyncCheckpoint | None = None
         self._pending_step = 0
         self._pending_event: dict[str, Any] = {}
+        self._interrupted: int | None = None  # the step of a save call a rank was lost in
         self.blocking_seconds = 0.0
         self.background_seconds = 0.0
 
@@ -62,12 +68,16 @@ class RunCheckpoints:
         """Save the state of ``step`` with the checkpoint attribute ``extra``
         (asynchronously with ``--checkpoint-async``, unless ``final``: the run's last
         checkpoint or a preemption's). Collective over ``comm``."""
-        self.wait(step)
         asynchronous = self.cfg.checkpoint_async and not final
         t0 = time.perf_counter()
-        with phase("checkpoint"):
-            result = save_training(self.cfg.out, opt, step=step, keep=self.cfg.keep,
-                                   comm=comm, extra=extra, async_=asynchronous)
+        try:
+            self.wait(step)
+            with phase("checkpoint"):
+                result = save_training(self.cfg.out, opt, step=step, keep=self.cfg.keep,
+                                       comm=comm, extra=extra, async_=asynchronous)
+        except ProcessFailure as lost:
+            self._lost_during_save(step, comm, lost)
+            raise
         dt = time.perf_counter() - t0
         self.blocking_seconds += dt
         if not asynchronous:
@@ -127,14 +137,42 @@ class RunCheckpoints:
             self.blocking_seconds += time.perf_counter() - t0
         self._done(pending, pending.commit_step if pending.commit_step is not None else step)
 
+    def _lost_during_save(self, step: int, comm: Any, lost: ProcessFailure) -> None:
+        """A rank was lost during the save call of ``step`` (this rank's view). In the
+        posix and serial modes the survivors recover in the job (the caller re-raises
+        ``lost``): nothing was committed unless every rank had written its bytes, so
+        ``latest`` names the previous checkpoint or the complete new one. MPI-IO is not
+        promised to survive a failure: under ``mpio`` every survivor ends the job in one
+        line instead (the previous checkpoint stays ``latest``), after shrinking ``comm``
+        to the survivors so that the line is agreed and the job ends with status 1 (as
+        for any failure the recovery cannot cover). Collective over the survivors then."""
+        if io_mode(comm, None) == "mpio":
+            shrunk = shrink(comm, original_size=comm.Get_size(), original_rank=comm.Get_rank())
+            commit(shrunk.comm)
+            raise UnrecoverableFailure(
+                f"lost {lost_words(shrunk.dead)} during the checkpoint of step {step}, written "
+                "with MPI-IO (MPIDIST_CHECKPOINT_IO=mpio), which is not promised to survive a "
+                "failure: in-job recovery is off during an mpio save; latest is still "
+                f"{self._latest() or 'none'}: restart from the last checkpoint (the "
+                "supervisor, --requeue or mpidist train --resume)") from lost
+        self._interrupted = step
+
     def mesh_changed(self, model: Any, changed: Any) -> None:
         """After in-job recovery from a lost rank (a loop hook, after rank 0's duties
         moved): the save in flight, which the recovery abandoned (its communicator was
         revoked; :func:`mpidist.parallel.recovery.recover`), never commits and ``latest``
-        stays the previous checkpoint; an event ``checkpoint_abandoned`` says so. Not
-        collective."""
+        stays the previous checkpoint; an event ``checkpoint_abandoned`` says so, as it
+        does for a save call a rank was lost in. The new rank 0 deletes the temp files
+        those saves left (no save is in progress anywhere now). Not collective."""
+        interrupted, self._interrupted = self._interrupted, None
         pending, self.pending = self.pending, None
+        if interrupted is not None and (pending is None or pending.committed):
+            self.events.write(event="checkpoint_abandoned", step=interrupted,
+                              at_step=int(changed.step), latest=self._latest(),
+                              reason=f"lost rank(s) {list(changed.dead)} during the save",
+                              time=time.time())
         if pending is None:
+            self._discard_temp_files()
             return
         if pending.committed:  # the lost rank went after the commit: it counts
             self.pending = pending
@@ -145,8 +183,25 @@ class RunCheckpoints:
         self.background_seconds += pending.background_seconds
         self.events.write(event="checkpoint_abandoned", step=self._pending_step,
                           path=os.path.basename(pending.path), at_step=int(changed.step),
+                          latest=self._latest(),
                           reason=f"lost rank(s) {list(changed.dead)} while it was in flight",
                           time=time.time())
+        self._discard_temp_files()
+
+    def _latest(self) -> str | None:
+        """The checkpoint ``latest`` names now (its file name), or None."""
+        path = latest_checkpoint(self.cfg.out)
+        return None if path is None else os.path.basename(path)
+
+    def _discard_temp_files(self) -> None:
+        """The new rank 0 deletes the hidden temp files of the run directory: after a
+        recovery they are partial files of abandoned saves."""
+        if not self.events.is_root():
+            return
+        for entry in os.scandir(self.cfg.out):
+            if TMP_RE.match(entry.name) and entry.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
 
     def _done(self, pending: AsyncCheckpoint, commit_step: int) -> None:
         self.pending = None

@@ -27,7 +27,7 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, world
-from mpidist.core.failure import ProcessFailure, UnrecoverableFailure
+from mpidist.core.failure import ProcessFailure
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import recover_in_loop, run_steps
 from mpidist.run.build import make_data, make_model, make_strategy
@@ -340,18 +340,13 @@ class _Run:
 
     def _save(self, step: int, final: bool = False, **event: Any) -> None:
         """A checkpoint of ``step`` (see :mod:`mpidist.run.checkpoints`). Every rank. A rank
-        lost during the save call (a blocking save, the blocking part of an asynchronous
-        one, or the commit of the save in flight it waits for first) ends the job."""
-        try:
-            self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
-                                  extra={"train_config": dataclasses.asdict(self.cfg),
-                                         "data": self.train_data.identity()},
-                                  final=final, **event)
-        except ProcessFailure as lost:  # some ranks may be inside MPI-IO: no recovery here
-            raise UnrecoverableFailure(
-                f"lost a rank during the checkpoint of step {step} ({lost}); in-job recovery "
-                "does not cover a save in progress: restart from the last checkpoint (the "
-                "supervisor, --requeue or mpidist train --resume)") from lost
+        lost during the save call raises ProcessFailure (the loop recovers; the save is
+        abandoned, ``latest`` stays the previous checkpoint), or, under MPI-IO, the one
+        line of UnrecoverableFailure."""
+        self.checkpoints.save(self.opt, step, self.job_comm(), self.world_size(),
+                              extra={"train_config": dataclasses.asdict(self.cfg),
+                                     "data": self.train_data.identity()},
+                              final=final, **event)
         self.last_saved = step
 
     def between_steps(self, model: Any, rec: Any) -> Any:
@@ -365,9 +360,13 @@ class _Run:
         if not signum:
             return model
         self.preempted = signal_name(signum)
-        self.checkpoints.wait(rec.step)  # the save in flight first
-        if self.last_saved != rec.step:
-            self._save(rec.step, final=True, reason="preempted")
+        try:
+            self.checkpoints.wait(rec.step)  # the save in flight first
+            if self.last_saved != rec.step:
+                self._save(rec.step, final=True, reason="preempted")
+        except ProcessFailure:  # recovered by the loop; the next agreement preempts again
+            self.preempted = ""
+            raise
         requeue = ""
         if self.cfg.requeue and self.is_root():
             requeue = requeue_slurm_job()

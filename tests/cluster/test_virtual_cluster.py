@@ -394,3 +394,56 @@ def test_straggler_node_under_a_cpu_quota_is_named(cluster: dict, tmp_path: Path
     assert all(d["host"] == "mpdtest2" for e in named for d in e["ranks"])
     summary = json.loads((out / "summary.json").read_text())
     assert {d["rank"] for e in summary["stragglers"] for d in e["ranks"]} == {2, 3}
+
+
+def _ulfm_on_cluster(env: dict, map_by: str, kill: str, args: list[str],
+                     cwd: Path) -> subprocess.CompletedProcess:
+    """``args`` on 4 ranks under Open MPI 5's ``mpiexec --with-ft ulfm`` (the ULFM prefix,
+    ``make ulfm``), started on the first node as jobs/virtual-cluster.sh starts its jobs,
+    with ``MPIDIST_FT_KILL=kill``; skips without the prefix."""
+    prefix = Path(os.environ.get("MPIDIST_ULFM_PREFIX") or REPO / ".ulfm")
+    if not (prefix / "bin" / "mpiexec").exists():
+        pytest.skip(f"no Open MPI 5 with fault tolerance at {prefix} (make ulfm)")
+    state = Path(env["MPIDIST_VCLUSTER_DIR"])
+    net = "10.77.0.0/24"
+    cmd = [str(CLUSTER), "exec", "mpdtest1", "--", "env", f"LD_LIBRARY_PATH={prefix}/lib",
+           f"MPIDIST_FT_KILL={kill}", "OMPI_ALLOW_RUN_AS_ROOT=1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1", str(prefix / "bin" / "mpiexec"), "--with-ft",
+           "ulfm", "--hostfile", str(state / "hostfile"), "-n", "4", "--map-by", map_by,
+           "--bind-to", "none", "--oversubscribe", "--prtemca", "plm_ssh_agent",
+           str(state / "netns-rsh"), "--prtemca", "oob_tcp_if_include", net, "--mca", "btl",
+           "self,sm,tcp", "--mca", "btl_tcp_if_include", net]
+    for name in ("LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "MPIDIST_FT_KILL",
+                 "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        cmd += ["-x", name]
+    return subprocess.run(["timeout", "-k", "10", str(JOB_TIMEOUT), *cmd, *args],
+                          capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=JOB_TIMEOUT + 30)
+
+
+def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: Path) -> None:
+    """Under ULFM, ranks placed node by node: rank 3 (node 2) lost in step 4 is recovered in
+    the job on the single-process trajectory; both of node 2's ranks lost together (rank 3
+    held rank 2's copy) end the job in one line; with round-robin placement the mesh orders
+    the ranks by node and in-job recovery is off (one line at the start, one at the loss)."""
+    args = [*_mpidist(), "train", "--steps", "6", "--strategy", "zero2",
+            "--checkpoint-interval", "2", *TINY]
+    one = _ulfm_on_cluster(cluster, "slot", "rank=3,step=4,phase=backward",
+                           [*args, "--out", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "lost rank 3; 3 rank(s) go on from step 3" in one.stdout, one.stdout[-3000:]
+    got = losses(tmp_path / "one")
+    assert sorted(got) == sorted(reference)
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-9
+    node = _ulfm_on_cluster(cluster, "slot", "rank=2,step=4,phase=backward;"
+                            "rank=3,step=4,phase=backward",
+                            [*args, "--out", str(tmp_path / "node")], tmp_path)
+    said = node.stdout + node.stderr
+    assert node.returncode == 1, said[-3000:]
+    assert "rank 2 and rank 3, which held its copy, died together" in said, said[-3000:]
+    robin = _ulfm_on_cluster(cluster, "node", "rank=1,step=4,phase=backward",
+                             [*args, "--out", str(tmp_path / "robin")], tmp_path)
+    said = robin.stdout + robin.stderr
+    assert robin.returncode == 1, said[-3000:]
+    assert "in-job recovery off: the mesh orders the data-parallel ranks by node" in said
+    assert "lost rank 1 in step 4 (backward); in-job recovery is off" in said, said[-3000:]
