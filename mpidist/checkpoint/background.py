@@ -56,7 +56,7 @@ from mpidist.checkpoint.agreement import (
     size_rank,
 )
 from mpidist.checkpoint.format import CheckpointError, Piece
-from mpidist.checkpoint.phases import SavePlan, commit_file, finish_sums
+from mpidist.checkpoint.phases import SavePlan, commit_file, finish_sums, step_of
 from mpidist.checkpoint.writer import (
     WriteCancelled,
     WriterContext,
@@ -180,10 +180,8 @@ class AsyncCheckpoint:
         self.bytes = sum(i.nbytes for i in plan.infos.values())
         self.local_bytes = sum(int(p.data.nbytes) for p in plan.pieces)
         self.tmp, self.started_ns = "", 0
-        step = plan.plain.get("step")
         self._ctx = WriterContext(rank=size_rank(comm)[1], path=path, tmp="",
-                                  step=int(step) if isinstance(step, (int, np.integer))
-                                  else None, asynchronous=True)
+                                  step=step_of(plan.plain), asynchronous=True)
         self._offsets = np.empty(0, dtype=np.int64)
         self.blocking_seconds = self.background_seconds = self.commit_seconds = 0.0
         #: the save call's parts: snapshot (the copy), agreement, layout, start (thread)
@@ -212,7 +210,8 @@ class AsyncCheckpoint:
         for), nothing is committed, ``latest`` does not move; the temp file stays hidden
         until the next committed save of the directory deletes it. Not collective and
         uses no MPI (after a rank's death, each survivor calls it); the save's own
-        communicator is left as it is (a revoked communicator is its recovery's to free)."""
+        communicator is left as it is (revoked, it is its recovery's to free:
+        :meth:`free_communicator`)."""
         if self.committed or self.abandoned:
             return
         self._ctx.stop()
@@ -220,6 +219,15 @@ class AsyncCheckpoint:
             self._thread.join()
         self.abandoned = True
         self._release()
+
+    def free_communicator(self) -> None:
+        """Free an abandoned save's own communicator: the recovery that abandoned the save
+        calls it once the survivors have shrunk (the communicator is revoked, as the
+        model's are, which that recovery frees the same way). Nothing for a save not
+        abandoned."""
+        if self.abandoned and self._own is not None:
+            own, self._own = self._own, None
+            own.Free()
 
     # -- collective -------------------------------------------------------------------------
     def wait(self, step: int | None = None) -> None:
@@ -276,10 +284,12 @@ class AsyncCheckpoint:
         :func:`~mpidist.checkpoint.io.save_checkpoint`; not collective."""
         self._pool, self.tmp, self.started_ns, self._offsets = pool, tmp, started_ns, offsets
         self._ctx.tmp = tmp
-        _IN_FLIGHT[:] = [self]
         self._thread = threading.Thread(target=self._write, name="mpidist-checkpoint-writer",
                                         args=(writer_hook(),), daemon=True)
         self._thread.start()
+        # the save in flight only once its writer runs: a thread that failed to start
+        # leaves no handle that would never finish for the next save or load to wait on
+        _IN_FLIGHT[:] = [self]
 
     def _write(self, hook: Any) -> None:
         """The background thread: this rank's bytes, checksums and fsync; no MPI."""

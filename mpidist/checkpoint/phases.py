@@ -47,7 +47,7 @@ from mpidist.checkpoint.paths import retain, write_latest
 from mpidist.checkpoint.storage import create_layout, file_options, patch_sums, writeback_bytes
 
 __all__ = ["SavePlan", "agree_on_arguments", "check_coverage", "commit_file", "finish_sums",
-           "global_sums", "layout_posix", "name_temp_file"]
+           "global_sums", "layout_posix", "name_temp_file", "step_of"]
 
 
 def check_coverage(all_rows: Sequence[np.ndarray], names: Sequence[str],
@@ -221,3 +221,12 @@ def finish_sums(tmp: str, names: Sequence[str], sums: np.ndarray, comm: Any) -> 
             fsync_path(tmp)
         failure = first_failure(box)
     agree(comm, failure)
+
+
+def step_of(root: Mapping[str, Any]) -> int | None:
+    """The training step a save's plain values name (``root["step"]``, an integer and not
+    a bool), else None: what a writer hook's ``step=`` matches. Not collective."""
+    step = root.get("step")
+    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
+        return int(step)
+    return None

@@ -43,6 +43,7 @@ from mpidist.checkpoint.phases import (
     global_sums,
     layout_posix,
     name_temp_file,
+    step_of,
 )
 from mpidist.checkpoint.storage import create_layout, file_options, write_pieces
 from mpidist.checkpoint.writer import WriterContext, write_rank_bytes, writer_hook
@@ -196,18 +197,12 @@ def save_posix(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],
     offsets = layout_posix(tmp, names, infos, root, comm)
     sums = np.zeros((len(names), 2), dtype=np.uint64)
     with capture_failure() as box:
-        ctx = WriterContext(rank=rank, step=_step_of(root), path=tmp, tmp=tmp,
+        ctx = WriterContext(rank=rank, step=step_of(root), path=tmp, tmp=tmp,
                             asynchronous=False)
         sums = write_rank_bytes(tmp, names, infos, pieces, rows, offsets, writeback_bytes,
                                 ctx, writer_hook())
     agree(comm, first_failure(box))
     finish_sums(tmp, names, sums, comm)
-
-
-def _step_of(root: Mapping[str, Any]) -> int | None:
-    step = root.get("step")
-    return int(step) if isinstance(step, (int, np.integer)) and not isinstance(step, bool) \
-        else None
 
 
 def save_mpio(tmp: str, names: Sequence[str], infos: Mapping[str, TensorInfo],

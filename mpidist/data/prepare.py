@@ -449,7 +449,11 @@ def _hash_and_commit(tmp: str, out: str, layout: Layout, tok: Tokenizer, n_token
     n_blocks = -(-n_tokens * tok.dtype.itemsize // HASH_BLOCK_BYTES)
     cuts = split_points(n_blocks, min(size, n_blocks))
     cuts += [n_blocks] * (size + 1 - len(cuts))
-    mine = hash_blocks(tmp, layout, n_tokens, tok.dtype, range(cuts[rank], cuts[rank + 1]))
+    blocks = range(cuts[rank], cuts[rank + 1])
+    # a rank with no blocks must not open the file: the allgather does not hold rank 0
+    # (which needs nothing from it) until it arrives, and rank 0 then renames the file away
+    mine = (hash_blocks(tmp, layout, n_tokens, tok.dtype, blocks) if len(blocks)
+            else np.empty(0, dtype=np.uint8))
     digests = np.zeros(n_blocks * 32, dtype=np.uint8)
     digests[cuts[rank] * 32:cuts[rank + 1] * 32] = mine.reshape(-1)
     C.allgather_varied(digests, [32 * (cuts[r + 1] - cuts[r]) for r in range(size)],

@@ -243,9 +243,12 @@ def recover(opt: Any, failure: ProcessFailure) -> MeshChanged:
     with phase("recovery"):
         for _ in range(old.n):
             try:
-                return _attempt(old, off, t0)
+                changed = _attempt(old, off, t0)
             except ProcessFailure:
                 continue  # another rank died meanwhile: start over on the newest comm
+            if pending is not None:
+                pending.free_communicator()
+            return changed
     raise UnrecoverableFailure(f"ranks kept failing during the recovery from {failure}: "
                                f"{_RESTART}")
 
