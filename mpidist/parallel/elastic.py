@@ -63,7 +63,7 @@ import numpy as np
 
 from mpidist.checkpoint.background import wait_in_flight
 from mpidist.core.arrays import is_cpu
-from mpidist.core.comms import bcast_json, in_place, mpi, traced, world
+from mpidist.core.comms import bcast_json, in_place, mpi, phase, traced, world
 from mpidist.core.mesh import MeshShape
 from mpidist.optim.base import Optimizer
 from mpidist.parallel.config import ShardingConfiguration
@@ -261,6 +261,26 @@ class ElasticOptimizer(ShardedOptimizer):
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
             self._sigterm_installed = False
 
+    def recover(self, failure: Any) -> Any:
+        """The elastic strategy has no in-job recovery (it changes its membership itself):
+        a lost rank, in a step or during a resize, ends the job. Raises
+        :class:`~mpidist.core.failure.UnrecoverableFailure` at once, without the
+        survivors' agreement (a worker that left in the resize no longer answers: an
+        agreement over the job's communicator would wait for it forever). The checkpoint
+        ``latest`` names is the last one completed (a save is never half-committed); the
+        supervisor's restart from it undoes a resize that was under way (the job runs at
+        the size it is started with; ``<out>/elastic-target`` asks again). Not collective.
+        """
+        from mpidist.core.failure import UnrecoverableFailure
+
+        where = f" in step {failure.step}" if failure.step >= 0 else ""
+        if failure.phase:
+            where += f" ({failure.phase})"
+        raise UnrecoverableFailure(
+            f"lost a rank{where}; in-job recovery is off (ElasticOptimizer changes its "
+            "membership itself): restart from the last checkpoint (the supervisor, "
+            "--requeue or mpidist train --resume)") from failure
+
     def request_leave(self) -> None:
         """Ask for this worker to leave at the next step boundary. Not collective."""
         self._leave = True
@@ -370,7 +390,8 @@ class ElasticOptimizer(ShardedOptimizer):
             return model
         if not d.changes:
             return model
-        return self._rescale(d)
+        with phase("resize"):
+            return self._rescale(d)
 
     def _metadata(self) -> dict[str, Any]:
         self._require_model()

@@ -63,7 +63,7 @@ __all__ = ["PHASES", "MeshChanged", "RecoveryMixin", "decide", "lost_words", "of
 
 #: the phases a failure is reported in (by their index; others are reported as "")
 PHASES = ("", "forward", "backward", "optimizer", "update", "allgather", "agreement",
-          "evaluation", "checkpoint", "pipeline", "recovery")
+          "evaluation", "checkpoint", "pipeline", "recovery", "resize")
 _RESTART = ("restart from the last checkpoint (the supervisor, --requeue or "
             "mpidist train --resume)")
 
