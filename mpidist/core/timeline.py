@@ -44,7 +44,7 @@ import numpy as np
 from mpidist.core import calls, comms
 
 __all__ = ["Alignment", "PhaseClock", "Recorder", "active", "align", "assign_lanes",
-           "clock_skew", "record", "span"]
+           "clock_skew", "record", "span", "unit_span"]
 
 _ACTIVE: list[Recorder | None] = [None]
 _NULL = contextlib.nullcontext()
@@ -78,6 +78,16 @@ def span(name: str, cat: str = "compute", **args: Any) -> contextlib.AbstractCon
     if rec is None:
         return _NULL
     return _Span(rec, name, cat, args)
+
+
+def unit_span(kind: str, unit: int, **args: Any) -> contextlib.AbstractContextManager:
+    """:func:`span` ``"<kind> unit <unit>"`` of category ``unit``, its name formatted only
+    while a recorder is active (the layers' passes call it per unit and micro-batch). Not
+    collective."""
+    rec = _ACTIVE[0]
+    if rec is None:
+        return _NULL
+    return _Span(rec, f"{kind} unit {unit}", "unit", args)
 
 
 def record(name: str, cat: str, t0: float, t1: float, **args: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mpidist.core.timeline import span
+from mpidist.core.timeline import unit_span
 
 __all__ = ["StageChunks", "chunk_spans"]
 
@@ -78,7 +78,7 @@ class StageChunks:
                 buf = pending.wait()
                 pending = self._gather(u - 1) if prefetch and u > lo else None
                 self.units[u].bind(self.layout.unit_views(u, buf), None)
-            with span(f"B unit {u}", "unit", micro_batch=ctx):
+            with unit_span("B", u, micro_batch=ctx):
                 if self._recompute:
                     self.units[u].forward(self._kept.pop((u, ctx)), ctx)
                 dy = self.units[u].backward_input(dy, ctx)
@@ -98,7 +98,7 @@ class StageChunks:
         lo, hi = self.chunk_span(chunk)
         for u in range(hi - 1, lo - 1, -1):
             if self.level < 2:
-                with span(f"W unit {u}", "unit", micro_batch=ctx):
+                with unit_span("W", u, micro_batch=ctx):
                     self.units[u].backward_weight(ctx)
             else:
                 gbuf = self.xp.zeros(self.layout.units[u].padded, dtype=self.dtype)
@@ -111,7 +111,7 @@ class StageChunks:
                 else:
                     pviews = self.layout.unit_views(u, self.layout.unit_full(u, self._compute))
                 self.units[u].bind(pviews, gviews)
-                with span(f"W unit {u}", "unit", micro_batch=ctx):
+                with unit_span("W", u, micro_batch=ctx):
                     self.units[u].backward_weight(ctx)
                 if self.level == 3:
                     self.units[u].unbind()

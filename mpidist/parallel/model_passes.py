@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.core import collectives as C
-from mpidist.core.timeline import span
+from mpidist.core.timeline import unit_span
 
 __all__ = ["ModelPasses"]
 
@@ -142,7 +142,7 @@ class ModelPasses:
 
     # -- activation checkpointing ------------------------------------------------------------
     def _unit_forward(self, u: int, h: Any, ctx: Any) -> Any:
-        with span(f"forward unit {u}", "unit", micro_batch=ctx):
+        with unit_span("forward", u, micro_batch=ctx):
             if not self._recompute:
                 return self.units[u].forward(h, ctx)
             self._kept[(u, ctx)] = h  # only the unit's input stays alive until its backward
@@ -151,7 +151,7 @@ class ModelPasses:
             return out
 
     def _unit_backward(self, u: int, dy: Any, ctx: Any) -> Any:
-        with span(f"backward unit {u}", "unit", micro_batch=ctx):
+        with unit_span("backward", u, micro_batch=ctx):
             if self._recompute:
                 self.units[u].forward(self._kept.pop((u, ctx)), ctx)
             return self.units[u].backward(dy, ctx)

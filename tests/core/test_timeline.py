@@ -8,28 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from trace_checks import improperly_nested
 
 from mpidist.core import calls, comms
 from mpidist.core import timeline as T
-
-
-def _nested(events: list[dict]) -> list[str]:
-    """The events of ``events`` that break proper nesting on their (pid, tid) track."""
-    tracks: dict[tuple[int, int], list[dict]] = {}
-    for e in events:
-        if e["ph"] == "X":
-            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
-    bad = []
-    for evs in tracks.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
-        for e in evs:
-            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"] - 1e-6:
-                stack.pop()
-            if stack and e["ts"] + e["dur"] > stack[-1]["ts"] + stack[-1]["dur"] + 1e-6:
-                bad.append(f"{e['name']} crosses {stack[-1]['name']}")
-            stack.append(e)
-    return bad
 
 
 def test_no_recorder_records_nothing_and_installs_no_hook():
@@ -62,7 +44,7 @@ def test_calls_waits_phases_and_blocks_nest_on_their_tracks():
     assert T.active() is None and rec not in calls.hooks()
     ev = rec.chrome(rank=2, pid=7, alignment=T.Alignment(base=rec.t_start))
     xs = [e for e in ev if e["ph"] == "X"]
-    assert not _nested(ev)
+    assert not improperly_nested(ev)
     names = {e["name"] for e in xs}
     assert {"forward", "backward", "forward unit 0", "Allreduce", "Iallreduce", "Ibarrier",
             "wait Iallreduce", "wait Ibarrier"} <= names

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from cli_env import cli_env
+from trace_checks import improperly_nested
 
 from mpidist.parallel.schedules import orders
 from mpidist.run.trace import schedule_from_trace
@@ -48,25 +49,6 @@ def train(n: int, out: Path, *args: str, env: dict | None = None, timeout: int =
     return proc
 
 
-def _improper(events: list[dict]) -> list[str]:
-    """Events that break proper nesting on their (pid, tid) track."""
-    tracks: dict[tuple[int, int], list[dict]] = {}
-    for e in events:
-        if e["ph"] == "X":
-            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
-    bad = []
-    for evs in tracks.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
-        for e in evs:
-            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"] - 1e-6:
-                stack.pop()
-            if stack and e["ts"] + e["dur"] > stack[-1]["ts"] + stack[-1]["dur"] + 1e-6:
-                bad.append(f"{e['name']} crosses {stack[-1]['name']} (tid {e['tid']})")
-            stack.append(e)
-    return bad
-
-
 def test_trace_holds_every_rank_aligned_when_clocks_differ(tmp_path: Path):
     out = tmp_path / "run"
     offsets = {1: 5.0, 2: -3.0}
@@ -84,7 +66,7 @@ def test_trace_holds_every_rank_aligned_when_clocks_differ(tmp_path: Path):
         assert abs(r["offset_s"] + r["skew_s"]) <= r["bound_s"] + 1e-9
     ev = trace["traceEvents"]
     xs = [e for e in ev if e["ph"] == "X"]
-    assert not _improper(ev)
+    assert not improperly_nested(ev)
     steps = {(e["tid"] // 1000, e["args"]["step"]) for e in xs if e["cat"] == "step"}
     assert steps == {(r, s) for r in range(3) for s in (3, 4)}
     for r in range(3):
