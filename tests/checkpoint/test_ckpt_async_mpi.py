@@ -4,8 +4,6 @@ polled until every rank is done, and one rank's write failure raised alike on ev
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 
@@ -27,15 +25,10 @@ from mpidist.checkpoint.writer import set_writer_hook
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
-@pytest.fixture
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="mpidist-ckpt-async-") if comm.rank == 0 else None
-    path = comm.bcast(path, root=0)
-    yield path
+@pytest.fixture(autouse=True)
+def _no_writer_hook_after():
+    yield
     set_writer_hook(None)
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _contents(path):

@@ -4,8 +4,6 @@ and errors raised on every rank alike."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -35,17 +33,6 @@ from mpidist.checkpoint import (
 from mpidist.checkpoint import save as ckpt_save
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-@pytest.fixture
-def shared_dir(comm):
-    """One directory for all ranks (tmp_path differs per rank)."""
-    path = tempfile.mkdtemp(prefix="mpidist-ckpt-") if comm.rank == 0 else None
-    path = comm.bcast(path, root=0)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _save(comm, directory, step=1, seed=0, **kw):
