@@ -241,12 +241,9 @@ def check_bandwidth(args: argparse.Namespace) -> tuple[str, str]:
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
     """The parameter shapes of GPT-2 small (124 M parameters, 148 tensors)."""
-    d, v, t, layers = 768, 50257, 1024, 12
-    shapes: list[tuple[int, ...]] = [(v, d), (t, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
-                   (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
+    from optimizer_kernels import gpt2_shapes  # benchmarks/, on the path as the script's
+
+    return gpt2_shapes(1)
 
 
 @item("adamw")

@@ -84,24 +84,29 @@ def main() -> None:
     ap.add_argument("--gpt2-scale", type=int, default=4,
                     help="divide GPT-2 small's widths by this for the parameter-list table")
     args = ap.parse_args()
-    n, dt = args.n, np.dtype(args.dtype)
-    width = dt.itemsize
+    dt = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
+    p, g = (rng.standard_normal(args.n).astype(dt) for _ in range(2))
+    jobs = numpy_jobs(rng, p, g)
+    torch_version = torch_jobs(jobs, args.dtype, p, g)
+    times = interleaved(jobs, args.repeats)
+    print_table(times, args.n, dt, torch_version)
+    if torch_version is not None:
+        parameter_list(args)
 
-    def arr() -> np.ndarray:
-        return rng.standard_normal(n).astype(dt)
 
-    rows: list[tuple[str, float, int, str | None, str | None]] = []  # name, s, bytes, np, torch
-    jobs: dict[str, Callable[[], object]] = {}
-
-    a_, b_, c_ = arr(), arr(), arr()
+def numpy_jobs(rng: np.random.Generator, p: np.ndarray, g: np.ndarray
+               ) -> dict[str, Callable[[], object]]:
+    """The stream triads, mpidist's fused updates and the unfused NumPy ones on ``p``,
+    ``g``'s size and dtype."""
+    n, dt = p.size, p.dtype
+    a_, b_, c_ = (rng.standard_normal(n).astype(dt) for _ in range(3))
     half = dt.type(0.5)
+    jobs: dict[str, Callable[[], object]] = {}
     jobs["triad"] = lambda: cpu.triad(a_, b_, c_, half)
     # In place (a = a + s*c): the written array is also read, as in the optimizer kernels,
     # so no write-allocate traffic hides behind the 12 counted bytes.
     jobs["triad in place"] = lambda: cpu.triad(a_, a_, c_, half)
-
-    p, g = arr(), arr()
     for name, opt in (
         ("adam", optim.Adam()),
         ("adamw", optim.AdamW()),
@@ -113,32 +118,41 @@ def main() -> None:
     jobs["numpy adam"] = lambda: numpy_adam(p, g, m, v, np_state)
     jobs["numpy adamw"] = lambda: numpy_adam(p, g, m, v, np_state, wd=1e-2, decoupled=True)
     jobs["numpy sgd"] = lambda: numpy_sgd_momentum(p, g, buf)
+    return jobs
 
-    torch_version = None
+
+def torch_jobs(jobs: dict[str, Callable[[], object]], dtype: str, p: np.ndarray,
+               g: np.ndarray) -> str | None:
+    """Add torch's fused Adam, AdamW and SGD on copies of ``p``, ``g`` to ``jobs``; torch's
+    version (None: no torch)."""
     try:
         import torch
-
-        torch_version = torch.__version__
-        tdt = getattr(torch, args.dtype)
-        tp = torch.nn.Parameter(torch.from_numpy(p.copy()).to(tdt))
-        tp.grad = torch.from_numpy(g.copy()).to(tdt)
-        for key, make in (
-            ("torch adamw", lambda: torch.optim.AdamW([tp], fused=True)),
-            ("torch adam", lambda: torch.optim.Adam([tp], fused=True)),
-            ("torch sgd", lambda: torch.optim.SGD([tp], lr=1e-3, momentum=0.9, fused=True)),
-        ):
-            try:
-                topt = make()
-                topt.step()
-                jobs[key] = topt.step
-            except (RuntimeError, TypeError, ValueError) as e:  # fused CPU needs torch >= 2.4
-                print(f"{key}: not available ({e})")
     except ImportError:
-        pass
+        return None
+    tdt = getattr(torch, dtype)
+    tp = torch.nn.Parameter(torch.from_numpy(p.copy()).to(tdt))
+    tp.grad = torch.from_numpy(g.copy()).to(tdt)
+    for key, make in (
+        ("torch adamw", lambda: torch.optim.AdamW([tp], fused=True)),
+        ("torch adam", lambda: torch.optim.Adam([tp], fused=True)),
+        ("torch sgd", lambda: torch.optim.SGD([tp], lr=1e-3, momentum=0.9, fused=True)),
+    ):
+        try:
+            topt = make()
+            topt.step()
+            jobs[key] = topt.step
+        except (RuntimeError, TypeError, ValueError) as e:  # fused CPU needs torch >= 2.4
+            print(f"{key}: not available ({e})")
+    return str(torch.__version__)
 
-    times = interleaved(jobs, args.repeats)
-    rows.append(("stream triad a=b+s*c", times["triad"], 3 * width, None, None))
-    rows.append(("stream triad in place a=a+s*c", times["triad in place"], 3 * width, None, None))
+
+def print_table(times: dict[str, float], n: int, dt: np.dtype, torch_version: str | None
+                ) -> None:
+    """Each kernel's time, bandwidth, share of the limit (the faster triad) and speed-up."""
+    width = dt.itemsize
+    rows: list[tuple[str, float, int, str | None, str | None]] = [  # name, s, bytes, np, torch
+        ("stream triad a=b+s*c", times["triad"], 3 * width, None, None),
+        ("stream triad in place a=a+s*c", times["triad in place"], 3 * width, None, None)]
     for name, label, nbytes in (
         ("adam", "mpidist Adam (fused)", 7 * width),
         ("adamw", "mpidist AdamW (fused)", 7 * width),
@@ -151,7 +165,6 @@ def main() -> None:
         if name in times:
             rows.append((f"torch {name.split()[1]} fused=True", times[name], nbytes * width, None,
                          None))
-
     # The limit is the faster of the two triads (bytes/second as counted above).
     limit = 3 * width * n / min(times["triad"], times["triad in place"])
     print(
@@ -167,13 +180,11 @@ def main() -> None:
         x_t = f"{times[torch_key] / sec:8.2f}" if torch_key in times else f"{'-':>8s}"
         pct = 100 * gbs * 1e9 / limit
         print(f"{label:34s} {sec * 1e3:8.2f} {gbs:7.2f} {pct:6.1f} {x_np} {x_t}")
-    if torch_version is not None:
-        parameter_list(args)
 
 
 def gpt2_shapes(scale: int) -> list[tuple[int, ...]]:
     """GPT-2 small's 148 parameter shapes with width, vocabulary and context over ``scale``
-    (the same list as benchmarks/gpu_check.py's at scale 1)."""
+    (benchmarks/gpu_check.py takes it at scale 1)."""
     d, v, t, layers = 768 // scale, 50257 // scale, 1024 // scale, 12
     shapes: list[tuple[int, ...]] = [(v, d), (t, d)]
     for _ in range(layers):
