@@ -51,7 +51,8 @@ class _PythonHook:
         self.ring.append(call)
 
 
-def _ns_per_call(comm: Any, buf: np.ndarray, n: int) -> float:
+def allreduce_ns(comm: Any, buf: np.ndarray, n: int) -> float:
+    """ns per call of ``n`` in-place ``Allreduce`` of ``buf`` on ``comm``."""
     inplace = comms.in_place()
     t0 = time.perf_counter_ns()
     for _ in range(n):
@@ -78,7 +79,7 @@ def cost_per_call(calls: int, rounds: int) -> dict[str, float]:
                 if h is not None:
                     comms.add_hook(h)
                 try:
-                    times[name].append(_ns_per_call(comm, buf, calls))
+                    times[name].append(allreduce_ns(comm, buf, calls))
                 finally:
                     if h is not None:
                         comms.remove_hook(h)

@@ -41,17 +41,10 @@ import time
 from typing import Any
 
 import numpy as np
+from recorder import allreduce_ns  # benchmarks/recorder.py (the script's directory)
 
 from mpidist.core import calls, comms
 from mpidist.core import timeline as T
-
-
-def _calls_ns(comm: Any, buf: np.ndarray, n: int) -> float:
-    inplace = comms.in_place()
-    t0 = time.perf_counter_ns()
-    for _ in range(n):
-        comm.Allreduce(inplace, buf)
-    return (time.perf_counter_ns() - t0) / n
 
 
 def _spans_ns(n: int) -> float:
@@ -96,9 +89,9 @@ def cost_per_event(n: int, rounds: int) -> dict[str, float]:
 
     try:
         for _ in range(rounds + 1):  # (the first round warms up)
-            timed("call, no timeline hook", lambda: _calls_ns(comm, buf, n))
-            timed("call, trace recorder", lambda: _calls_ns(comm, buf, n), record=True)
-            timed("call, per-rank clock", lambda: _calls_ns(comm, buf, n), hook=clock)
+            timed("call, no timeline hook", lambda: allreduce_ns(comm, buf, n))
+            timed("call, trace recorder", lambda: allreduce_ns(comm, buf, n), record=True)
+            timed("call, per-rank clock", lambda: allreduce_ns(comm, buf, n), hook=clock)
             timed("block, tracing off", lambda: _spans_ns(n))
             timed("block, recording", lambda: _spans_ns(n), record=True)
             timed("phase, no timeline hook", lambda: _phases_ns(n))
