@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from token_helpers import TEXTS, write_megatron, write_nanogpt
+from token_helpers import TEXTS, train_alone, write_megatron, write_nanogpt
 
 from mpidist.core.comms import bcast_json
 from mpidist.core.mesh import ProcessMesh
@@ -38,25 +38,7 @@ def _blend(comm, tmp_path: Path):
 
 
 def _alone(train, valid) -> tuple[list[float], dict[str, np.ndarray], float]:
-    model = GPT(GPT_CONFIG)
-    params, grads = model.build(np.dtype("float64"), seed=0)
-    opt = AdamW(lr=3e-3, weight_decay=0.1)
-    state = opt.init_state(params.data.shape[0], dtype=np.dtype("float64"))
-    loss = CrossEntropyLoss()
-    sampler = train.sampler(B, seed=5)
-    losses = []
-    for step in range(STEPS):
-        x, y = train.batch(sampler.global_indices(step))
-        grads.zero_()
-        losses.append(loss.forward(model.forward(x), y))
-        model.backward(loss.backward())
-        opt.update(params.data, grads.data, state)
-    evaluator = valid.eval_sampler(B, seed=7)
-    val = 0.0
-    for step in range(2):
-        x, y = valid.batch(evaluator.global_indices(step))
-        val += loss.forward(model.forward(x), y) / 2
-    return losses, {n: v.copy() for n, v in params.views().items()}, val
+    return train_alone(GPT_CONFIG, train, B, STEPS, valid)
 
 
 def _distributed(comm, train, valid, strategy: str):

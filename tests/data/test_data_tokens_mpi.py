@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from token_helpers import TEXTS, write_corpus
+from token_helpers import TEXTS, train_alone, write_corpus
 
 from mpidist.core.comms import bcast_json
 from mpidist.core.mesh import ProcessMesh
@@ -74,20 +74,7 @@ GPT_CONFIG = GPTConfig(vocab_size=257, block_size=T, n_layer=1, n_head=2, n_embd
 
 
 def _alone(train) -> tuple[list[float], dict[str, np.ndarray]]:
-    model = GPT(GPT_CONFIG)
-    params, grads = model.build(np.dtype("float64"), seed=0)
-    opt = AdamW(lr=3e-3, weight_decay=0.1)
-    state = opt.init_state(params.data.shape[0], dtype=np.dtype("float64"))
-    loss = CrossEntropyLoss()
-    sampler = train.sampler(B, seed=5)
-    losses = []
-    for step in range(STEPS):
-        x, y = train.batch(sampler.global_indices(step))
-        grads.zero_()
-        losses.append(loss.forward(model.forward(x), y))
-        model.backward(loss.backward())
-        opt.update(params.data, grads.data, state)
-    return losses, {n: v.copy() for n, v in params.views().items()}
+    return train_alone(GPT_CONFIG, train, B, STEPS)[:2]
 
 
 def _distributed(comm, train, strategy: str):

@@ -83,3 +83,33 @@ def write_corpus(root: Path) -> dict[str, list[str]]:
         f.write(TEXTS[3])
     docs["zipped.txt.gz"] = [TEXTS[3]]
     return docs
+
+
+def train_alone(config, train, batch: int, steps: int, valid=None, eval_batches: int = 2):
+    """Single-process training of ``GPT(config)`` on ``train`` (float64, AdamW, the
+    sampler of seed 5): (losses, final parameters by name, the mean loss of
+    ``eval_batches`` evaluation batches of ``valid`` (seed 7), or None without it)."""
+    from mpidist.nn import GPT, CrossEntropyLoss
+    from mpidist.optim import AdamW
+
+    model = GPT(config)
+    params, grads = model.build(np.dtype("float64"), seed=0)
+    opt = AdamW(lr=3e-3, weight_decay=0.1)
+    state = opt.init_state(params.data.shape[0], dtype=np.dtype("float64"))
+    loss = CrossEntropyLoss()
+    sampler = train.sampler(batch, seed=5)
+    losses = []
+    for step in range(steps):
+        x, y = train.batch(sampler.global_indices(step))
+        grads.zero_()
+        losses.append(loss.forward(model.forward(x), y))
+        model.backward(loss.backward())
+        opt.update(params.data, grads.data, state)
+    val = None
+    if valid is not None:
+        evaluator = valid.eval_sampler(batch, seed=7)
+        val = 0.0
+        for step in range(eval_batches):
+            x, y = valid.batch(evaluator.global_indices(step))
+            val += loss.forward(model.forward(x), y) / eval_batches
+    return losses, {n: v.copy() for n, v in params.views().items()}, val
