@@ -49,39 +49,29 @@ def _address(typingctx, addr):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _sum_words(words, w, s1, s2):  # pragma: no cover - compiled
+    """``(S1, S2)`` plus the checksum of the unsigned ``words`` (one compiled loop per
+    word size), the first being element ``w - 1`` of its tensor."""
+    one = np.uint64(1)
+    for k in range(words.size):
+        x = np.uint64(words[k])
+        s1 += x
+        s2 += w * x
+        w += one
+    return s1, s2
+
+
+@njit(nogil=True, cache=True)
 def _add_sums(ptr, count, itemsize, w, s1, s2):  # pragma: no cover - compiled
     """``(S1, S2)`` plus the checksum of ``count`` words of ``itemsize`` bytes at ``ptr``,
     the first being element ``w - 1`` of its tensor."""
-    one = np.uint64(1)
     if itemsize == 8:
-        words8 = carray(ptr, count, np.uint64)
-        for k in range(count):
-            x = words8[k]
-            s1 += x
-            s2 += w * x
-            w += one
-    elif itemsize == 4:
-        words4 = carray(ptr, count, np.uint32)
-        for k in range(count):
-            x = np.uint64(words4[k])
-            s1 += x
-            s2 += w * x
-            w += one
-    elif itemsize == 2:
-        words2 = carray(ptr, count, np.uint16)
-        for k in range(count):
-            x = np.uint64(words2[k])
-            s1 += x
-            s2 += w * x
-            w += one
-    else:
-        words1 = carray(ptr, count, np.uint8)
-        for k in range(count):
-            x = np.uint64(words1[k])
-            s1 += x
-            s2 += w * x
-            w += one
-    return s1, s2
+        return _sum_words(carray(ptr, count, np.uint64), w, s1, s2)
+    if itemsize == 4:
+        return _sum_words(carray(ptr, count, np.uint32), w, s1, s2)
+    if itemsize == 2:
+        return _sum_words(carray(ptr, count, np.uint16), w, s1, s2)
+    return _sum_words(carray(ptr, count, np.uint8), w, s1, s2)
 
 
 @njit(nogil=True, cache=True)
