@@ -33,8 +33,8 @@ import numpy as np
 from mpidist.data.sampler import WindowSampler, checked_indices
 from mpidist.data.textfiles import entropy
 
-__all__ = ["BlendSampler", "BlendedDataset", "blend_hash", "blend_sources", "normalized",
-           "open_blend", "parse_blend"]
+__all__ = ["BlendSampler", "BlendedDataset", "blend_hash", "blend_sources", "blend_vocabulary",
+           "normalized", "open_blend", "parse_blend"]
 
 #: 2^64 / phi, rounded to an odd integer: the step of the Weyl sequence.
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -248,6 +248,33 @@ class BlendedDataset:
                 f"shares={[round(float(s), 4) for s in self.shares]}, windows={len(self)})")
 
 
+def blend_vocabulary(sources: Sequence[Sequence[Any]]) -> tuple[int | None, str]:
+    """The vocabulary size of a blend's token files (None: no source names a tokenizer:
+    Megatron's and nanoGPT's formats) and the words that name it in an error. Raises
+    ValueError for a source that is text or token files made with different tokenizers.
+    Reads the files' headers only; not collective."""
+    from mpidist.data.tokenfile import TokenFile
+    from mpidist.data.tokens import describe_data
+
+    tokenizer, first = None, ""
+    for _, path in sources:
+        info = describe_data(path)
+        if not info.is_tokens:
+            raise ValueError(f"--data-blend {path}: text, not a token file (a blend takes "
+                             f"token files; mpidist prepare {path} --out FILE --tokenizer "
+                             "bytes|bpe:V|tokenizer.json makes one)")
+        if info.kind == "tokens":
+            tf = TokenFile(info.path)
+            if tokenizer is None:
+                tokenizer, first = tf, path
+            elif tf.tokenizer_json != tokenizer.tokenizer_json:
+                raise ValueError(f"--data-blend: {path} and {first} were made with "
+                                 "different tokenizers")
+    if tokenizer is None:
+        return None, "--data-blend (Megatron's and nanoGPT's formats)"
+    return tokenizer.vocab_size, "--data-blend"
+
+
 def open_blend(sources: Sequence[Sequence[Any]], block_size: int, *, val: Any = None,
                comm: Any = None) -> tuple[BlendedDataset, Any]:
     """The training blend of ``sources`` (``[[weight, path], ...]``, :func:`parse_blend`)
@@ -264,22 +291,13 @@ def open_blend(sources: Sequence[Sequence[Any]], block_size: int, *, val: Any = 
     shares = normalized(weights)
     trains, valids, records = [], [], []
     tokenizer: dict[str, Any] | None = None
-    named_by = ""
+    blend_vocabulary(sources)  # every source a token file, one tokenizer
     for (weight, path), share in zip(sources, shares, strict=True):
         info = describe_data(path)
-        if not info.is_tokens:
-            raise ValueError(f"--data-blend {path}: text, not a token file (a blend takes "
-                             f"token files; mpidist prepare {path} --out FILE --tokenizer "
-                             "bytes|bpe:V|tokenizer.json makes one)")
         train, valid = open_token_data(info, block_size, comm=comm)
         ident = train.identity()
-        tok = ident.get("tokenizer")
-        if tok is not None:
-            if tokenizer is None:
-                tokenizer, named_by = tok, path
-            elif tok.get("json") != tokenizer.get("json"):
-                raise ValueError(f"--data-blend: {path} and {named_by} were made with "
-                                 "different tokenizers")
+        if tokenizer is None:
+            tokenizer = ident.get("tokenizer")
         records.append({"path": path, "weight": float(weight), "share": float(share),
                         "kind": info.kind, "hash": ident["hash"]})
         trains.append(train)

@@ -196,10 +196,11 @@ class TrainConfig:
         ``--val-data`` is unusable (a blend of text, or of token files with different
         tokenizers), when a vocabulary is needed and not given (Megatron's and nanoGPT's
         files name none), or when ``vocab_size`` is smaller than the data's."""
+        from mpidist.data.blend import blend_vocabulary
         from mpidist.data.tokens import describe_data
 
         if self.data_blend is not None:
-            have, named = _blend_vocab(self.data_blend)
+            have, named = blend_vocabulary(self.data_blend)
             is_tokens = True
         else:
             info = None if self.data is None else describe_data(self.data,
@@ -262,31 +263,6 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int | None": (int, type(None)), "bool | str": (bool, str),
     "list | None": (list, tuple, type(None)),
 }
-
-
-def _blend_vocab(sources: list[list[Any]]) -> tuple[int | None, str]:
-    """The vocabulary of a blend's token files (None: all name none) and the words for an
-    error; ValueError for a source that is text or tokenizers that differ."""
-    from mpidist.data.tokenfile import TokenFile
-    from mpidist.data.tokens import describe_data
-
-    tokenizer, first = None, ""
-    for _, path in sources:
-        info = describe_data(path)
-        if not info.is_tokens:
-            raise ValueError(f"--data-blend {path}: text, not a token file (a blend takes "
-                             f"token files; mpidist prepare {path} --out FILE --tokenizer "
-                             "bytes|bpe:V|tokenizer.json makes one)")
-        if info.kind == "tokens":
-            tf = TokenFile(info.path)
-            if tokenizer is None:
-                tokenizer, first = tf, path
-            elif tf.tokenizer_json != tokenizer.tokenizer_json:
-                raise ValueError(f"--data-blend: {path} and {first} were made with "
-                                 "different tokenizers")
-    if tokenizer is None:
-        return None, "--data-blend (Megatron's and nanoGPT's formats)"
-    return tokenizer.vocab_size, "--data-blend"
 
 
 def _check_type(name: str, annotation: Any, value: Any, where: str = "") -> None:
