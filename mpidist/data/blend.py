@@ -105,14 +105,16 @@ def _thresholds(shares: np.ndarray) -> np.ndarray:
     return np.array([min(int(c * 2.0**64), 2**64 - 1) for c in cum], dtype=np.uint64)
 
 
-def blend_sources(samples: np.ndarray, shares: np.ndarray) -> np.ndarray:
+def blend_sources(samples: np.ndarray, shares: np.ndarray, *,
+                  thresholds: np.ndarray | None = None) -> np.ndarray:
     """The source of each sample number (module docstring); ``shares`` the normalized
-    weights. Pure."""
+    weights (``thresholds``: their fixed-point cuts, when the caller keeps them). Pure."""
     g = np.asarray(samples, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         u = g * _GOLDEN
-    return np.searchsorted(_thresholds(np.asarray(shares, dtype=np.float64)), u,
-                           side="right").astype(np.int64)
+    if thresholds is None:
+        thresholds = _thresholds(np.asarray(shares, dtype=np.float64))
+    return np.searchsorted(thresholds, u, side="right").astype(np.int64)
 
 
 class BlendSampler(WindowSampler):
@@ -131,12 +133,14 @@ class BlendSampler(WindowSampler):
             raise ValueError(f"a blend needs one positive size per weight (sizes "
                              f"{self.sizes.tolist()}, weights {self.shares.tolist()})")
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._cuts = _thresholds(self.shares)
         super().__init__(int(self.offsets[-1]), global_batch_size, seed=seed)
 
     def sources(self, step: int) -> np.ndarray:
         """The source of each sample of global step ``step``."""
         b = self.global_batch_size
-        return blend_sources(np.arange(step * b, (step + 1) * b, dtype=np.int64), self.shares)
+        return blend_sources(np.arange(step * b, (step + 1) * b, dtype=np.int64), self.shares,
+                             thresholds=self._cuts)
 
     def global_indices(self, step: int) -> np.ndarray:
         """Sample indices of global step ``step``: each sample's source by the blend, its
@@ -211,7 +215,7 @@ class BlendedDataset:
     def eval_sampler(self, global_batch_size: int, seed: int = 0) -> BlendSampler:
         """The evaluation batches: drawn as in training, so each holds the sources in
         proportion."""
-        return BlendSampler(self.sizes, self.shares, global_batch_size, seed=seed)
+        return self.sampler(global_batch_size, seed=seed)
 
     def split_counts(self) -> np.ndarray | None:
         """The blend's token frequencies: each source's split frequencies weighted by its
