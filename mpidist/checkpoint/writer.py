@@ -45,6 +45,7 @@ import numpy as np
 from mpidist.checkpoint import storage
 from mpidist.checkpoint.format import Piece, TensorInfo
 from mpidist.checkpoint.storage import Writeback, dataset_dtype, pwrite_array
+from mpidist.core.specs import key_values
 
 __all__ = ["HOOK_ENV", "WRITER_POINTS", "WriteCancelled", "WriterContext", "env_writer_hook",
            "set_writer_hook", "write_rank_bytes", "writer_hook"]
@@ -105,13 +106,11 @@ def env_writer_hook(spec: str) -> Callable[[str, WriterContext], None] | None:
     spec = spec.strip()
     if not spec:
         return None
-    items: dict[str, str] = {}
-    for item in spec.split(","):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("point", "action", "seconds", "rank", "step"):
-            raise ValueError(f"{HOOK_ENV}={spec!r}: {item!r} is not point=, action=, "
-                             "seconds=, rank= or step=")
-        items[key.strip()] = value.strip()
+    try:
+        items = key_values(spec, ("point", "action", "seconds", "rank", "step"))
+    except ValueError:
+        raise ValueError(f"{HOOK_ENV}={spec!r}: expected point=P,action=A[,seconds=T]"
+                         "[,rank=R][,step=S] (each key once)") from None
     point, action = items.get("point"), items.get("action")
     if point not in WRITER_POINTS:
         raise ValueError(f"{HOOK_ENV}={spec!r}: point={point!r} is not one of {WRITER_POINTS}")

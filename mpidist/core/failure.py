@@ -42,6 +42,7 @@ import numpy as np
 
 from mpidist.core import calls
 from mpidist.core.comms import comm_id, live, mpi
+from mpidist.core.specs import key_values
 
 __all__ = ["KILL_ENV", "KillPoint", "ProcessFailure", "Shrunk", "UnrecoverableFailure",
            "commit", "enable", "enabled", "failure_classes", "install_kill_points", "is_failure",
@@ -320,14 +321,8 @@ def parse_kill_points(text: str) -> list[KillPoint]:
     for item in (t.strip() for t in text.split(";")):
         if not item:
             continue
-        want: dict[str, str] = {}
         try:
-            for part in item.split(","):
-                key, eq, value = part.partition("=")
-                if not eq or key.strip() not in ("rank", "step", "phase", "call") \
-                        or key.strip() in want:
-                    raise ValueError
-                want[key.strip()] = value.strip()
+            want = key_values(item, ("rank", "step", "phase", "call"))
             point = KillPoint(int(want["rank"]), int(want["step"]), want.get("phase") or "*",
                               int(want.get("call", 1)))
             if min(point.rank, point.step, point.call) < 0 \

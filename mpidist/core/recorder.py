@@ -53,6 +53,7 @@ import zlib
 from typing import Any
 
 from mpidist.core import calls, comms
+from mpidist.core.specs import key_values
 
 __all__ = ["DEFAULT_SIZE", "DEFAULT_TIMEOUT", "FORMAT", "cap_timeout", "dump", "hold_spec",
            "hook", "install", "installed", "introduce", "recent", "settings", "snapshot",
@@ -444,13 +445,11 @@ class _Watchdog(threading.Thread):
 def hold_spec(spec: str) -> dict[str, Any]:
     """``MPIDIST_TEST_HOLD``'s text as ``{"rank", "step", "phase", "seconds"}`` (step and
     phase None when not given: any). ValueError naming the text when it is malformed."""
-    want: dict[str, str] = {}
-    for part in spec.split(","):
-        key, eq, value = part.partition("=")
-        if not eq or key.strip() not in ("rank", "step", "phase", "seconds"):
-            raise ValueError(f"MPIDIST_TEST_HOLD={spec!r}: expected rank=R[,step=S]"
-                             "[,phase=P][,seconds=T]")
-        want[key.strip()] = value.strip()
+    try:
+        want = key_values(spec, ("rank", "step", "phase", "seconds"))
+    except ValueError:
+        raise ValueError(f"MPIDIST_TEST_HOLD={spec!r}: expected rank=R[,step=S]"
+                         "[,phase=P][,seconds=T]") from None
     try:
         return {"rank": int(want["rank"]),
                 "step": int(want["step"]) if "step" in want else None,

@@ -209,7 +209,8 @@ def test_bad_arguments_raise_before_anything_is_written(tmp_path):
     ("point=mid-write,action=explode", "action='explode' is not one of"),
     ("point=mid-write", "action=None"),
     ("point=mid-write,action=fail,rank=one", "must be numbers"),
-    ("mid-write:fail", "is not point=, action="),
+    ("mid-write:fail", r"expected point=P,action=A"),
+    ("point=mid-write,action=fail,point=mid-write", r"each key once"),
 ])
 def test_bad_hook_specs_name_the_value(spec, message):
     with pytest.raises(ValueError, match=message):

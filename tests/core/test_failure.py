@@ -96,3 +96,12 @@ def test_a_kill_point_fires_only_at_its_call(monkeypatch):
     call(3, "update")
     assert [p for p, _ in killed] == points
     calls.set_step(-1)
+
+
+def test_key_values_take_known_keys_once():
+    from mpidist.core.specs import key_values
+
+    assert key_values(" a = 1 ,b=x", ("a", "b")) == {"a": "1", "b": "x"}
+    for bad in ("a=1,a=2", "a", "c=1", "a=1,"):
+        with pytest.raises(ValueError):
+            key_values(bad, ("a", "b"))
