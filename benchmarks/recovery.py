@@ -1,6 +1,8 @@
 """In-job recovery from a lost rank (ULFM) against the supervisor's restart from a checkpoint.
 
     python benchmarks/recovery.py [--kills 5] [--phases forward,backward,...] [--pairs 15]
+                                  [--parts recovery,hybrid,copies,restart,long]
+                                  [--long-steps 300] [--every 50] [--long-interval 10]
                                   [--smallest] [-- more mpidist train flags]
 
 On the fault-tolerance stack (``jobs/ulfm-mpiexec``: Open MPI 5 under ``--with-ft ulfm``;
@@ -22,6 +24,19 @@ GPT 4 x 128 on the embedded byte corpus, ``make run``'s model while it trained o
    ``mpiexec`` (no fault tolerance), checkpoints every ``--restart-interval`` steps, a rank
    SIGKILLed from outside after step 6: the time from the kill to the restarted job's
    next completed step, and the steps lost (redone from the last checkpoint).
+
+4. **Hybrid meshes.** As 1 (the backward of step 3) for pp2 x dp2 and tp2 x dp2 (ZeRO-1)
+   and pp2 x tp2 (dp 1: its copies are whole local states): the survivors keep pp and tp,
+   2 ranks go on and the third is released.
+5. **A long job.** ``--long-steps`` (300) steps of zero2, checkpoints every
+   ``--long-interval`` (10) steps, a rank SIGKILLed from outside by its pid every
+   ``--every`` (50) steps, once the job has 4 ranks again: a failure-free run, in-job
+   recovery with growing back (``--regrow spawn``: the replacement spawned and given the
+   state at the next step boundary), and the supervisor's restart path over Debian's
+   ``mpiexec``. Steps per second from step 5 to the last, as a share of the failure-free
+   run's; the steps redone per failure (the step in progress at the kill and every later one
+   the run went back over; goal <= 1 for in-job); the recovery stall (kill -> next step)
+   and the join stall (training stopped while the replacement joined) apart.
 
 Without the fault-tolerance stack it prints one line and exits 0.
 """
@@ -50,6 +65,10 @@ LIMIT = 600
 #: The GPT of the runs: 4 x 128, global batch 32 x 64 tokens (TrainConfig's defaults),
 #: named so that its figures stay comparable whatever `make run` trains.
 GPT_4X128 = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "global_batch": 32}
+#: the hybrid meshes of part 4 (4 ranks; pp2 x tp2 has dp 1: its copies are whole states)
+MESHES = {"pp2 x dp2 zero1": ("--strategy", "hybrid", "--pp", "2", "--zero-stage", "1"),
+          "tp2 x dp2 zero1": ("--strategy", "hybrid", "--tp", "2", "--zero-stage", "1"),
+          "pp2 x tp2": ("--strategy", "hybrid", "--pp", "2", "--tp", "2")}
 
 COPIES = r"""
 import json, sys, time
@@ -158,11 +177,13 @@ def _kill_spec(phase: str, victim: int) -> str:
     return f"rank={victim},step={KILL_STEP},phase={name}" + (f",call={call}" if call else "")
 
 
-def recovery_run(tmp: Path, phase: str, victim: int, train: list[str]) -> dict:
-    """One run with a rank killed at ``phase`` of step 3; its recovery's figures."""
+def recovery_run(tmp: Path, phase: str, victim: int, train: list[str],
+                 mesh: tuple[str, ...] = ("--strategy", "zero2")) -> dict:
+    """One run with a rank killed at ``phase`` of step 3 (``mesh``: the strategy's flags);
+    its recovery's figures."""
     out = tmp / f"run-{uuid.uuid4().hex[:8]}"
     cmd = [str(LAUNCHER), "--timeout", str(LIMIT), "-n", "4", sys.executable, "-m",
-           "mpidist", "train", "--strategy", "zero2", "--out", str(out), *train]
+           "mpidist", "train", *mesh, "--out", str(out), "--regrow", "none", *train]
     proc = subprocess.run(cmd, env=_env(MPIDIST_FT_KILL=_kill_spec(phase, victim)),
                           capture_output=True, text=True, timeout=LIMIT + 30, check=False)
     text = proc.stdout + proc.stderr
@@ -244,6 +265,102 @@ def restart_run(tmp: Path, train: list[str], interval: int, kill_after: int) -> 
             "checkpoint": resumed_step, "interval": interval}
 
 
+def _train_pids(out: Path) -> list[int]:
+    """The processes of ``mpidist train --out out`` (the ranks, newcomers included)."""
+    key, found = str(out).encode(), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd[1:4] == [b"-m", b"mpidist", b"train"] and key in cmd:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def _latest_step(metrics: Path) -> int:
+    rows = [r for r in _rows(metrics) if r.get("split") == "train"]
+    return max((r["step"] for r in rows), default=0)
+
+
+def long_run(tmp: Path, name: str, cmd: list[str], out: Path, env: dict[str, str], *,
+             steps: int, every: int, first: int = 5) -> dict:
+    """Run ``cmd`` (its ranks write ``out``) and SIGKILL one of its ranks from outside each
+    time step ``k * every`` completed (``every`` 0: none, the failure-free run), once it
+    has 4 ranks again. Seconds from step ``first`` to step ``steps``, the kills (wall time,
+    the last step completed then)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    kills: list[tuple[float, int]] = []
+    t_first = t_last = None
+    deadline = time.monotonic() + LIMIT
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            done = _latest_step(metrics)
+            now = time.time()
+            if t_first is None and done >= first:
+                t_first = now
+            if t_last is None and done >= steps:
+                t_last = now
+            due = every and done >= every * (len(kills) + 1) and done < steps
+            if due:
+                pids = _train_pids(out)
+                if len(pids) >= 4:
+                    os.kill(pids[(len(kills) + 1) % len(pids)], signal.SIGKILL)
+                    kills.append((time.time(), done))
+            time.sleep(0.01)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0 or t_first is None or t_last is None:
+        raise RuntimeError(f"{name} run exited {proc.returncode}:\n{err[-3000:]}")
+    events = _rows(out / "events.jsonl")
+    return {"seconds": t_last - t_first, "steps": steps - first, "kills": kills,
+            "events": events}
+
+
+def long_runs(tmp: Path, train: list[str], steps: int, every: int, interval: int) -> dict:
+    """The failure-free run, in-job recovery with growing back, and the supervisor's
+    restart path, ``steps`` steps each, a rank killed every ``every`` steps."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise RuntimeError("no mpiexec on PATH for the restart path")
+    flags = ["--strategy", "zero2", "--steps", str(steps), "--checkpoint-interval",
+             str(interval), *train]
+    res = {}
+    for name in ("clean", "in-job", "restart"):
+        out = tmp / f"long-{name}"
+        train_cmd = [sys.executable, "-m", "mpidist", "train", "--out", str(out), *flags]
+        if name == "restart":
+            cmd = [sys.executable, "-m", "mpidist", "run", "--elastic", "-n", "4",
+                   "--min-workers", "3", "--max-workers", "4", "--max-restarts",
+                   str(steps // max(every, 1) + 1), "--", *train_cmd, "--resume", "auto"]
+        else:
+            cmd = [str(LAUNCHER), "--timeout", str(LIMIT), "-n", "4", *train_cmd]
+        res[name] = long_run(tmp, name, cmd, out, _env(), steps=steps,
+                             every=0 if name == "clean" else every)
+        shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
+def _long_figures(run: dict) -> dict:
+    """Steps redone per failure (the step in progress at the kill, and every later one
+    done before the run went back), join and recovery stalls."""
+    events = run["events"]
+    redone = []
+    back = [e for e in events if e["event"] in ("recovered", "resume")]
+    for (_, done), e in zip(run["kills"], back, strict=False):
+        redone.append(done + 1 - e["step"])
+    rec = [e["total_s"] for e in events if e["event"] == "recovered" and e.get("total_s")]
+    grown = [e.get("stall_s", e.get("seconds", float("nan"))) for e in events
+             if e["event"] == "grown"]
+    return {"redone": redone, "recovery_s": rec, "join_s": grown}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -256,8 +373,15 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=15, help="interleaved step pairs")
     ap.add_argument("--restart-interval", type=int, default=4,
                     help="checkpoint interval of the restart path (default 4)")
-    ap.add_argument("--parts", default="recovery,copies,restart",
-                    help="which of recovery, copies, restart to run (default: all)")
+    ap.add_argument("--parts", default="recovery,hybrid,copies,restart,long",
+                    help="which of recovery, hybrid, copies, restart, long to run "
+                         "(default: all)")
+    ap.add_argument("--long-steps", type=int, default=300,
+                    help="steps of the long runs (default 300)")
+    ap.add_argument("--every", type=int, default=50,
+                    help="a rank killed every this many steps in the long runs (default 50)")
+    ap.add_argument("--long-interval", type=int, default=10,
+                    help="checkpoint interval of the long runs (default 10)")
     ap.add_argument("--smallest", action="store_true",
                     help="a tiny GPT, one kill, two pairs (the test suite's run)")
     ap.add_argument("train_args", nargs="*", help="more `mpidist train` flags")
@@ -271,24 +395,40 @@ def main() -> None:
     if args.smallest:
         model = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "global_batch": 8}
         args.kills, args.pairs, phases = 1, 2, ["backward"]
+        args.long_steps, args.every, args.long_interval = 12, 5, 4
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in model.items()]
     train = [*flags, "--steps", str(KILL_STEP + 2), "--checkpoint-interval", "0",
              "--eval-interval", "0", "--eval-batches", "1", "--no-progress", *args.train_args]
     parts = args.parts.split(",")
     runs: dict = {}
+    hybrid: dict = {}
     copies: dict = {}
     restart: dict = {}
+    long: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "recovery" in parts:
             runs = {p: [recovery_run(Path(tmp), p, (k + 1) % 4, train)
                         for k in range(args.kills)] for p in phases}
+        if "hybrid" in parts:
+            meshes = dict(list(MESHES.items())[-1:]) if args.smallest else MESHES
+            hybrid = {m: [recovery_run(Path(tmp), "backward", (k + 1) % 4, train, mesh)
+                          for k in range(args.kills)] for m, mesh in meshes.items()}
         if "copies" in parts:
             copies = copies_run(model, args.pairs)
         if "restart" in parts:
             restart_train = [*flags, "--steps", "9", "--eval-interval", "0",
                              "--eval-batches", "1", "--no-progress", *args.train_args]
             restart = restart_run(Path(tmp), restart_train, args.restart_interval, 6)
+        if "long" in parts:
+            long_train = [*flags, "--eval-interval", "0", "--eval-batches", "1",
+                          "--no-progress", *args.train_args]
+            long = long_runs(Path(tmp), long_train, args.long_steps, args.every,
+                             args.long_interval)
     report(runs, copies, restart, model)
+    if hybrid:
+        report_hybrid(hybrid)
+    if long:
+        report_long(long, args)
 
 
 def report(runs: dict, copies: dict, restart: dict, model: dict) -> None:
@@ -356,3 +496,38 @@ def report_restart(restart: dict, runs: dict, total: float) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def report_hybrid(hybrid: dict) -> None:
+    kills = len(next(iter(hybrid.values())))
+    print(f"\n4. hybrid meshes (4 ranks, a rank killed in the backward of step {KILL_STEP}; "
+          f"median over {kills} kill(s); 2 ranks go on, pp and tp kept)")
+    print(f"{'mesh':<18}{'detect':>8}{'shrink':>8}{'rebuild':>9}{'redo':>8}{'total':>8}"
+          f"{'redone':>8}")
+    for mesh, rs in hybrid.items():
+        col = {k: _median([r[k] for r in rs]) for k in ("detect", "shrink", "rebuild", "redo",
+                                                          "total")}
+        print(f"{mesh:<18}{col['detect']:8.3f}{col['shrink']:8.3f}{col['rebuild']:9.3f}"
+              f"{col['redo']:8.3f}{col['total']:8.3f}{max(r['redone'] for r in rs):8d}")
+
+
+def report_long(long: dict, args: argparse.Namespace) -> None:
+    clean = long["clean"]
+    rate = clean["steps"] / clean["seconds"]
+    print(f"\n5. {args.long_steps} steps, a rank SIGKILLed from outside every {args.every} "
+          f"steps (checkpoints every {args.long_interval}); steps/s from step 5 to the end")
+    print(f"{'path':<30}{'steps/s':>9}{'share':>8}{'kills':>7}{'redone/failure':>16}"
+          f"{'recovery s':>12}{'join s':>9}")
+    print(f"{'failure-free (ULFM stack)':<30}{rate:9.2f}{1.0:8.3f}{0:7d}{'-':>16}{'-':>12}"
+          f"{'-':>9}")
+    for name, label in (("in-job", "in-job recovery + growing back"),
+                        ("restart", "supervisor restart")):
+        run = long[name]
+        fig = _long_figures(run)
+        r = run["steps"] / run["seconds"]
+        red = fig["redone"]
+        worst = f"{_median(red):.1f} (max {max(red)})" if red else "-"
+        rec = f"{_median(fig['recovery_s']):.3f}" if fig["recovery_s"] else "-"
+        join = f"{_median(fig['join_s']):.3f}" if fig["join_s"] else "-"
+        print(f"{label:<30}{r:9.2f}{r / rate:8.3f}{len(run['kills']):7d}{worst:>16}{rec:>12}"
+              f"{join:>9}")
