@@ -132,18 +132,6 @@ def off_reason(opt: Any) -> str | None:
     return None
 
 
-def _cart_of(opt: Any) -> list[int]:
-    """``cart_of[i]``: the mesh rank of rank ``i`` of the run's communicator (the mesh may
-    group ranks by node). The same on every rank (both member lists are known
-    everywhere). Not collective."""
-    n = opt.build_comm.Get_size()
-    top, mesh = info(opt.build_comm), info(opt.model.mesh.comm)
-    if top is None or mesh is None or len(top.members) != n or -1 in top.members \
-            or sorted(top.members) != sorted(mesh.members):
-        return list(range(n))
-    return [list(mesh.members).index(w) for w in top.members]
-
-
 def lost_words(dead: Sequence[int]) -> str:
     """``rank 2`` or ``ranks 1 and 3``."""
     dead = list(dead)
@@ -234,7 +222,7 @@ class _Old:
         self.newest = self.comm  # the communicator to shrink next
         self.built: list[Any] = []  # models built by failed attempts
         self.pp, self.dp, self.tp = model.pp_size, model.dp_size, model.tp_size
-        self.cart_of = _cart_of(opt)
+        self.cart_of = self.red.cart_of if self.red is not None else list(range(self.n))
         #: the general path (mesh coordinates, named tensors): pp or tp, or a reordered mesh
         self.general = self.pp * self.tp > 1 or self.cart_of != list(range(self.n))
         self.shapes = model.tensor_shapes()

@@ -54,6 +54,7 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core.failure import keep_alive
 from mpidist.optim.base import OptimizerState
+from mpidist.parallel.regroup import mesh_ranks
 
 __all__ = ["MODES", "Redundancy", "checkpoint_names", "copy_bytes_per_step", "holder_of",
            "manifest"]
@@ -121,6 +122,8 @@ class Redundancy:
         #: dp == 1 on a mesh with pp or tp: the next rank of the mesh holds the whole state
         self.cross = model.dp_size == 1 and (model.pp_size > 1 or model.tp_size > 1)
         self.comm = model.mesh.comm if self.cross else model.comm
+        #: the mesh rank of every rank of the run's communicator (recovery matches by it)
+        self.cart_of = mesh_ranks(opt.build_comm, model.mesh.comm)
         self.n, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.dtype = np.dtype(model.dtype)
         keys = sorted(opt.state.buffers)

@@ -41,10 +41,30 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core.comms import mpi
 from mpidist.core.failure import keep_alive
 
 __all__ = ["assemble", "choose_mesh", "column_survivors", "gather_named", "holder_map",
-           "uncovered"]
+           "mesh_ranks", "uncovered"]
+
+
+def mesh_ranks(top: Any, mesh: Any) -> list[int]:
+    """``cart_of[i]``: the rank in ``mesh`` of rank ``i`` of ``top`` (two communicators of
+    the same processes; the mesh may number them by node). The identity where ``top`` is
+    None or the two differ in members. Local (group arithmetic, no communication)."""
+    if top is None:
+        return list(range(mesh.Get_size()))
+    n = top.Get_size()
+    if n != mesh.Get_size():
+        return list(range(n))
+    g_top, g_mesh = top.Get_group(), mesh.Get_group()
+    try:
+        out = mpi().Group.Translate_ranks(g_top, list(range(n)), g_mesh)
+    finally:
+        g_top.Free()
+        g_mesh.Free()
+    out = [int(r) for r in out]
+    return out if sorted(out) == list(range(n)) else list(range(n))
 
 
 def choose_mesh(m: int, pp: int, tp: int) -> tuple[int, int, int]:
