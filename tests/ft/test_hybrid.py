@@ -69,3 +69,12 @@ def test_a_rank_and_the_holder_of_its_copy_killed_together(ulfm, tmp_path, monke
     lines = [ln for ln in text(job).splitlines() if "mpidist train: error:" in ln]
     assert len(lines) == 1, job.report()
     assert "rank 1 and rank 2, which held its copy, died together" in lines[0], lines
+
+
+def test_two_recoveries_down_to_one_rank(ulfm, tmp_path, monkeypatch):
+    """pp2 x tp2 loses rank 2 (pp2 x dp1 goes on, rank 3 released), then rank 1: the last
+    rank trains alone (pp and tp dropped), on the single-process trajectory."""
+    ref = reference(tmp_path)
+    job, out = _run(ulfm, tmp_path, monkeypatch, "pp2-tp2",
+                    _kill(2, 2, "backward") + ";" + _kill(1, 4, "forward"))
+    check_recovered(job, out, ref, lost=[[2], [1]], size=1)
