@@ -304,9 +304,19 @@ def _free_old(old: Any) -> None:
     if not old.freed:
         old.model.free()  # its communicators are revoked; their memory is all it keeps
         old.freed = True
-    for m in old.built:
+    for m in old.built:  # models, and the communicators they were built on
         m.free()
     old.built = []
+
+
+class _Freed:
+    """A communicator of a failed attempt, freed with its models."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def free(self) -> None:
+        self.comm.Free()
 
 
 def _lost_line(old: Any, d: Decision, shrunk: Any) -> str:
@@ -364,6 +374,7 @@ def _attempt_general(old: Any, off: str | None, t0: float) -> MeshChanged:
     if me >= used:  # released: nothing to train
         commit(shrunk.comm)
         return MeshChanged(None, None, d.step, dead, used, {}, sent, released=True)
+    old.built.append(_Freed(comm))  # freed if this attempt fails
     model = opt.rebuild_on(comm, pp=pp, tp=tp)
     old.built.append(model)
     state = opt.base.init_state(model.state_size, dtype=model.dtype)

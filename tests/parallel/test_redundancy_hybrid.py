@@ -2,8 +2,9 @@
 the ranks other than any one rank, with the copy its holder keeps, still hold the whole
 model's parameters and optimizer state (gathered as named global tensors, as in-job
 recovery gathers them: mpidist.parallel.regroup), equal to the state dict; the copies do
-not change training. The recovery itself needs MPI's fault tolerance: tests/ft/test_hybrid.py.
-The mesh choice and the coverage rule are pure: tested without MPI."""
+not change training. The recovery itself needs MPI's fault tolerance:
+tests/ft/test_recovery_hybrid.py. The mesh choice and the coverage rule are pure: tested
+without MPI."""
 
 from __future__ import annotations
 
