@@ -157,10 +157,15 @@ class Redundancy:
         return (self.rank - 1) % self.n
 
     def nbytes(self) -> int:
-        """Host bytes of the snapshot and the copies on this rank."""
+        """Host bytes of the snapshot and the copies on this rank (``cross``: before the
+        copies are first made, whose size is the neighbour's, this rank's own size counts
+        for them)."""
         arrays = [self.snap_params, *self.snap_state.values(), *self.copy_params,
                   *(a for d in self.copy_state for a in d.values()), self.grad_in]
-        return int(sum(a.nbytes for a in arrays))
+        own = int(sum(a.nbytes for a in arrays))
+        if self.cross and not any(self._peer_sizes):
+            own += 2 * sum(self._sizes) * self.dtype.itemsize
+        return own
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends a step for its copy (:func:`copy_bytes_per_step`)."""
