@@ -17,9 +17,14 @@ MESHES = {"pp2-dp2-zero1": ("--pp", "2", "--zero-stage", "1"),
           "tp2-dp2-zero2": ("--tp", "2", "--zero-stage", "2"),
           "pp2-tp2": ("--pp", "2", "--tp", "2"),
           "pp2-tp2-zero1": ("--pp", "2", "--tp", "2", "--zero-stage", "1")}
+SCHEDULES = {"pp2-dp2-interleaved": ("--pp", "2", "--schedule", "interleaved",
+                                     "--virtual-stages", "2", "--micro-batches", "2"),
+             "pp2-tp2-zero-bubble": ("--pp", "2", "--tp", "2", "--schedule", "zero-bubble")}
+MESHES.update(SCHEDULES)
 SMOKE = [("pp2-tp2", "backward")]
 MATRIX = [(m, p) for m in MESHES for p in ("forward", "backward", "update:0", "agreement")
-          if (m, p) not in SMOKE]
+          if (m, p) not in SMOKE and m not in SCHEDULES] \
+    + [(m, "backward") for m in SCHEDULES]
 
 
 def _kill(rank: int, step: int, phase: str) -> str:
