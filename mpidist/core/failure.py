@@ -288,8 +288,10 @@ def leave(status: int, comm: Any = None) -> None:
             pass
     logging.shutdown()
     if comm is not None:
-        try:
-            comm.Barrier()
+        try:  # polled, so that a rank released early waits without spinning
+            req = comm.Ibarrier()
+            while not req.Test():
+                time.sleep(0.01)
         except Exception:  # noqa: BLE001 - a failure on the way out: leave anyway
             pass
     os._exit(status)

@@ -94,11 +94,11 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
         tp_plan: the tensor-parallel plan when tp > 1 (see :mod:`mpidist.nn.tp_plan`;
             default: the model's own).
         redundancy: the copies that let the survivors of a lost rank go on in the job
-            (:mod:`mpidist.parallel.recovery`): "buddy" (ddp and ZeRO-1/2/3 on a dp-only
-            mesh), "none", or None: "buddy" where MPI's fault tolerance (ULFM) is on and the
-            strategy can keep them, else "none". With copies, :meth:`step` raises
-            :class:`~mpidist.parallel.recovery.MeshChanged` after recovering from a lost
-            rank.
+            (:mod:`mpidist.parallel.recovery`): "buddy" (ddp and ZeRO-1/2/3, with pipeline
+            and tensor parallelism too), "none", or None: "buddy" where MPI's fault
+            tolerance (ULFM) is on and the strategy can keep them, else "none". With
+            copies, :meth:`step` raises :class:`~mpidist.parallel.recovery.MeshChanged`
+            after recovering from a lost rank.
 
     Construction is pure: bad values raise ValueError on every rank alike.
     """

@@ -15,7 +15,8 @@ A hook is any object with some of these methods (each optional):
   that left the job, or a preempted run after its checkpoint);
 * ``mesh_changed(model, changed)`` — after in-job recovery from a lost rank
   (:class:`~mpidist.parallel.recovery.MeshChanged`), on every survivor, with the new model;
-  the loop goes on from step ``changed.step + 1``.
+  the loop goes on from step ``changed.step + 1``. A survivor the new mesh has no place
+  for (``changed.released``) stops instead (the outcome's ``released``), before the hooks.
 
 Hooks run in order; a hook that stops the loop skips those after it. A lost rank seen in a
 step or in a hook (:class:`~mpidist.core.failure.ProcessFailure`, under MPI's fault
@@ -58,6 +59,8 @@ class LoopOutcome:
     steps: int  #: steps taken by this call on this rank
     last: StepRecord | None  #: the last step's record (None if no step was taken)
     stopped: bool  #: whether a hook stopped the loop before ``until``
+    #: whether a recovery released this rank (no place in the survivors' mesh)
+    released: bool = False
 
 
 def run_steps(opt: Any, model: Any, data: Any, *, until: int, sampler: Any,
@@ -94,6 +97,8 @@ def run_steps(opt: Any, model: Any, data: Any, *, until: int, sampler: Any,
                     return LoopOutcome(None, steps, last, True)
         except (MeshChanged, ProcessFailure) as lost:
             changed = lost if isinstance(lost, MeshChanged) else recover_in_loop(opt, lost)
+            if changed.released:
+                return LoopOutcome(None, steps, last, True, released=True)
             model = changed.model
             steps = max(0, opt.step_count - first)  # the steps redone count once
             for h in hooks:

@@ -158,14 +158,19 @@ class Placement:
                 for n in lay.names for s in (lay.spec(n),)]
 
     def checkpoint_pieces(self, params: np.ndarray, state: dict[str, np.ndarray], *,
-                          for_writing: bool) -> list[tuple[str, slice, np.ndarray]]:
+                          for_writing: bool, params_sharded: bool | None = None,
+                          state_sharded: bool | None = None
+                          ) -> list[tuple[str, slice, np.ndarray]]:
         """``(checkpoint name, flat slice of the global tensor, 1-D data)`` of this rank.
 
         For writing, every element of every global tensor is owned by exactly one rank of
         the mesh: its pipeline stage, then tp rank 0 for tp-replicated tensors (each tp rank
         for its own slice of a split tensor), then the dp shard. For reading, each rank asks
         for everything its storage holds. A tp slice that is not contiguous in the global
-        tensor (a column block) becomes one piece per contiguous run. Not collective.
+        tensor (a column block) becomes one piece per contiguous run. ``params_sharded`` /
+        ``state_sharded``: whether ``params`` / ``state`` are local shards (default: as the
+        level stores them; in-job recovery's snapshots keep shards at levels 1-2 too). Not
+        collective.
         """
         out: list[tuple[str, slice, np.ndarray]] = []
 
@@ -187,9 +192,10 @@ class Placement:
                     continue
                 emit(prefix, name, ts, data)
 
-        add("params/", params, self.shards_params)
+        add("params/", params, self.shards_params if params_sharded is None else params_sharded)
         for key, buf in state.items():
-            add(f"optimizer/{key}/", buf, self.shards_state)
+            add(f"optimizer/{key}/", buf,
+                self.shards_state if state_sharded is None else state_sharded)
         return out
 
     def local_full(self, tensors: dict[str, np.ndarray], dtype: Any) -> np.ndarray:

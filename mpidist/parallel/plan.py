@@ -36,7 +36,9 @@ host memory, not counted in what must fit on the device (``copies_gb``): with ``
 of stored parameter (the fp32 master where there is one) and ``M`` of moments, DDP keeps a
 snapshot of everything, ``(W + M)·Ψ``; ZeRO its shard's snapshot and a double-buffered copy
 of its neighbour's, ``3·(W + M)·Ψ/dp``, plus the neighbour's gradient shard at stages 2-3,
-``g·Ψ/dp``. Layouts with pp or tp > 1 keep none (in-job recovery covers data parallelism).
+``g·Ψ/dp``. With pp or tp > 1 (``Ψ`` then the device's share) the same holds within each
+(stage, tp) column where dp >= 2; where dp is 1 the next rank of the mesh holds the whole
+state, double-buffered: ``3·(W + M)·Ψ`` with the snapshot.
 """
 
 from __future__ import annotations
@@ -141,11 +143,11 @@ def model_state_bytes(params: float, *, precision: str = "mixed", optimizer: str
 def copies_bytes(params: float, *, precision: str = "mixed", optimizer: str = "adam",
                  zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1) -> float:
     """Host bytes of the copies in-job recovery keeps on one device (see the module
-    docstring); 0 where the layout keeps none (pp or tp > 1)."""
-    if tp * pp > 1:
-        return 0.0
+    docstring); ``params``: the device's share of the parameters."""
     p, g, master, moment, _ = _precision(precision)
     own = params * ((master or p) + moment * _moments(optimizer))
+    if dp == 1 and tp * pp > 1:  # the next mesh rank holds the whole state
+        return 3 * float(own)
     if zero_stage == 0:
         return float(own)
     if dp == 1:

@@ -31,6 +31,17 @@ it was in the step. :func:`recover`, on every survivor:
    world-size invariance of every synchronous strategy the trajectory is the one the run
    would have had without the failure.
 
+Meshes with pipeline or tensor parallelism (and data-parallel meshes whose ranks the mesh
+orders otherwise than the run's communicator) take the general path of steps 2-3
+(:mod:`mpidist.parallel.regroup`): the dead ranks' state must be in a replica of their
+column or in their holder's copy; the survivors choose the mesh they go on with (pp and tp
+kept where they are enough, else dropped: :func:`~mpidist.parallel.regroup.choose_mesh`),
+gather the whole state as named global tensors (own snapshots and the holders' copies,
+matched by mesh coordinates), and the ranks that go on load it into the model rebuilt at the
+new (pp, dp, tp) as a checkpoint written at another mesh is loaded. The survivors the new
+mesh has no place for are released: their :class:`MeshChanged` has ``released`` set and no
+model.
+
 A failure during the recovery itself starts it over from the newest communicator, with
 the same sources (the snapshot and the copies of the old layout are kept until the end).
 """
@@ -45,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from mpidist.checkpoint.background import in_flight
-from mpidist.core.comms import info, phase
+from mpidist.core.comms import info, mpi, phase
 from mpidist.core.failure import (
     ProcessFailure,
     UnrecoverableFailure,
@@ -55,7 +66,8 @@ from mpidist.core.failure import (
     shrink,
 )
 from mpidist.parallel.hooks import AllReduce, ReduceScatter
-from mpidist.parallel.redundancy import holder_of
+from mpidist.parallel.redundancy import checkpoint_names, holder_of
+from mpidist.parallel.regroup import assemble, choose_mesh, gather_named, holder_map, uncovered
 from mpidist.parallel.resize import transfer_plan
 
 __all__ = ["PHASES", "MeshChanged", "RecoveryMixin", "decide", "lost_words", "off_reason",
@@ -77,15 +89,19 @@ class MeshChanged(Exception):
     ``step_count``, rolled back: the next step is ``step + 1``, whose batch must be drawn
     again: the optimizer's own sampler was rewound); ``dead`` the world ranks lost;
     ``world_size`` the survivors' number; ``timing`` seconds of detect, shrink (with the
-    agreement), rebuild; ``moved_bytes`` what this rank sent to rebuild.
+    agreement), rebuild; ``moved_bytes`` what this rank sent to rebuild. ``released``: this
+    rank has no place in the new mesh (``model`` and ``comm`` are None): it trains no more
+    and waits for the job's end (:func:`~mpidist.core.failure.leave`).
     """
 
     def __init__(self, model: Any, comm: Any, step: int, dead: list[int], world_size: int,
-                 timing: dict[str, float], moved_bytes: int = 0) -> None:
+                 timing: dict[str, float], moved_bytes: int = 0, *,
+                 released: bool = False) -> None:
         super().__init__(f"lost rank(s) {dead}: the mesh is now {world_size} rank(s); redo "
                          f"step {step + 1}")
         self.model, self.comm, self.step, self.dead = model, comm, step, dead
         self.world_size, self.timing, self.moved_bytes = world_size, timing, moved_bytes
+        self.released = released
 
 
 def redundancy_reason(opt: Any) -> str | None:
@@ -96,8 +112,6 @@ def redundancy_reason(opt: Any) -> str | None:
     if type(opt.hook) not in (AllReduce, ReduceScatter):
         return (f"the {opt.hook.name} gradient communication keeps per-rank state that has "
                 "no copies")
-    if model.pp_size > 1 or model.tp_size > 1:
-        return "meshes with pipeline or tensor parallelism (pp, tp > 1) keep no copies"
     if model.shard_size != model.dp_size:
         return "sharding over groups smaller than the data-parallel group keeps no copies"
     if not model.device.is_cpu:
@@ -112,23 +126,10 @@ def off_reason(opt: Any) -> str | None:
     if opt.redundancy is None:
         why = redundancy_reason(opt) if opt.model is not None else None
         return why or "--redundancy none keeps no copies"
-    if opt.model.dp_size < 2:
-        return "a single data-parallel rank has no survivor to go on"
-    if _reordered(opt):
-        return ("the mesh orders the data-parallel ranks by node, not as the launcher "
-                "numbered them (start the ranks node by node, e.g. mpirun --map-by slot)")
+    model = opt.model
+    if model.dp_size * model.pp_size * model.tp_size < 2:
+        return "a single rank has no survivor to go on"
     return None
-
-
-def _reordered(opt: Any) -> bool:
-    """Whether the data-parallel group's ranks are in another order than the top
-    communicator's (the mesh groups ranks by node). The recovery's table, its holders and
-    its transfers count ranks in the top communicator's order, so it must not run then.
-    The same on every rank (both member lists are known everywhere). Not collective."""
-    top, dp = info(opt.build_comm), info(opt.model.comm)
-    if top is None or dp is None:
-        return False
-    return list(top.members) != list(dp.members)
 
 
 def lost_words(dead: Sequence[int]) -> str:
@@ -220,6 +221,13 @@ class _Old:
         self.freed = False
         self.newest = self.comm  # the communicator to shrink next
         self.built: list[Any] = []  # models built by failed attempts
+        self.pp, self.dp, self.tp = model.pp_size, model.dp_size, model.tp_size
+        self.cart_of = self.red.cart_of if self.red is not None else list(range(self.n))
+        #: the general path (mesh coordinates, named tensors): pp or tp, or a reordered mesh
+        self.general = self.pp * self.tp > 1 or self.cart_of != list(range(self.n))
+        self.shapes = model.tensor_shapes()
+        self.names = checkpoint_names(self.shapes, sorted(self.state.buffers))
+        self.dtype = np.dtype(model.dtype)
 
     def values(self) -> list[int]:
         red = self.red
@@ -243,7 +251,7 @@ def recover(opt: Any, failure: ProcessFailure) -> MeshChanged:
     with phase("recovery"):
         for _ in range(old.n):
             try:
-                changed = _attempt(old, off, t0)
+                changed = (_attempt_general if old.general else _attempt)(old, off, t0)
             except ProcessFailure:
                 continue  # another rank died meanwhile: start over on the newest comm
             if pending is not None:
@@ -264,12 +272,7 @@ def _attempt(old: Any, off: str | None, t0: float) -> MeshChanged:
         commit(shrunk.comm)
         raise UnrecoverableFailure(d.unrecoverable)
     t1 = time.time()
-    if not old.freed:
-        old.model.free()  # its communicators are revoked; their memory is all it keeps
-        old.freed = True
-    for m in old.built:
-        m.free()
-    old.built = []
+    _free_old(old)
     model = opt.rebuild_on(shrunk.comm)
     old.built.append(model)
     state = opt.base.init_state(model.state_size, dtype=model.dtype)
@@ -294,6 +297,105 @@ def _attempt(old: Any, off: str | None, t0: float) -> MeshChanged:
     dead = [old.world[r] for r in d.dead]
     return MeshChanged(model, shrunk.comm, d.step, dead, shrunk.comm.Get_size(), timing,
                        moved)
+
+
+def _free_old(old: Any) -> None:
+    """The interrupted model's communicators (revoked) and those of failed attempts."""
+    if not old.freed:
+        old.model.free()  # its communicators are revoked; their memory is all it keeps
+        old.freed = True
+    for m in old.built:  # models, and the communicators they were built on
+        m.free()
+    old.built = []
+
+
+class _Freed:
+    """A communicator of a failed attempt, freed with its models."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def free(self) -> None:
+        self.comm.Free()
+
+
+def _lost_line(old: Any, d: Decision, shrunk: Any) -> str:
+    """The one line when a dead rank's state is gone on the general path ('' if none)."""
+    gone = uncovered(d.dead, shrunk.survivors, shrunk.values, d.step + 1, pp=old.pp,
+                     dp=old.dp, tp=old.tp, level=old.level, cart_of=old.cart_of)
+    if gone is None:
+        return ""
+    v, h, why = gone
+    names = lost_words([old.world[r] for r in d.dead])
+    where = f"lost {names} in step {d.step + 1}"
+    if h < 0:
+        return (f"{where}: no rank of rank {old.world[v]}'s pipeline stage and tensor "
+                f"shard survived; in-job recovery is impossible: {_RESTART}")
+    if why == "died":
+        return (f"{where}: rank {old.world[v]} and rank {old.world[h]}, which held its "
+                f"copy, died together; in-job recovery is impossible: {_RESTART}")
+    return (f"{where}: the copy of rank {old.world[v]} was not yet refreshed for step "
+            f"{d.step + 1}; in-job recovery is impossible: {_RESTART}")
+
+
+def _attempt_general(old: Any, off: str | None, t0: float) -> MeshChanged:
+    """One recovery attempt on the general path (see the module doc). Collective over the
+    survivors."""
+    opt = old.opt
+    shrunk = shrink(old.newest, original_size=old.n, original_rank=old.rank,
+                    values=old.values())
+    old.newest = shrunk.comm
+    d = decide(old.n, shrunk.survivors, shrunk.values, copies=False, off=off, world=old.world)
+    d.unrecoverable = d.unrecoverable or _lost_line(old, d, shrunk)
+    if d.unrecoverable:
+        commit(shrunk.comm)
+        raise UnrecoverableFailure(d.unrecoverable)
+    t1 = time.time()
+    _free_old(old)
+    tag, red = d.step + 1, old.red
+    params, own_state, opt_step, extras = red.own_at(old.model, old.state, old.extras, tag)
+    keys = sorted(own_state)
+    sources = [(red.own_manifest(), [params, *(own_state[k] for k in keys)])]
+    holders = holder_map(old.pp, old.dp, old.tp, old.level, old.cart_of)
+    for v in d.dead:
+        copy = red.copy_at(tag) if holders.get(v) == old.rank else None
+        if copy is not None:
+            sources.append((red.peer_manifest, [copy[0], *(copy[1][k] for k in keys)]))
+    meta, data, sent = gather_named(shrunk.comm, sources, old.dtype)
+    tensors, missing = assemble(old.names, list(old.shapes.values()) * (1 + len(keys)),
+                                meta, data)
+    if missing:  # pragma: no cover - uncovered() found every dead rank's state
+        commit(shrunk.comm)
+        raise UnrecoverableFailure(f"lost state of {missing[:3]} in the recovery: {_RESTART}")
+    pp, tp, dp = choose_mesh(len(shrunk.survivors), old.pp, old.tp)
+    me, used = shrunk.comm.Get_rank(), pp * tp * dp
+    comm = shrunk.comm.Split(0 if me < used else mpi().UNDEFINED, me)
+    dead = [old.world[r] for r in d.dead]
+    if me >= used:  # released: nothing to train
+        commit(shrunk.comm)
+        return MeshChanged(None, None, d.step, dead, used, {}, sent, released=True)
+    old.built.append(_Freed(comm))  # freed if this attempt fails
+    model = opt.rebuild_on(comm, pp=pp, tp=tp)
+    old.built.append(model)
+    state = opt.base.init_state(model.state_size, dtype=model.dtype)
+    model.load_full_parameters({n: tensors[f"params/{n}"] for n in old.shapes})
+    for k in keys:
+        model.load_state_tensors({n: tensors[f"optimizer/{k}/{n}"] for n in old.shapes},
+                                 state.buffers[k])
+    opt.adopt(model, state)
+    opt.restore_position(opt_step, d.step, None)
+    opt.restore_extras(extras)
+    opt.rewind_sampler(old.entry, d.step)
+    if opt.redundancy is not None:
+        opt.redundancy.establish(opt, tag)
+    t2 = time.time()
+    commit(shrunk.comm)
+    old.built = []
+    t3 = time.time()
+    timing = {"detect": max(0.0, t0 - old.failure.detected), "shrink": shrunk.seconds
+              + (t3 - t2), "rebuild": t2 - t1, "detected_at": old.failure.detected,
+              "recovered_at": t3}
+    return MeshChanged(model, comm, d.step, dead, used, timing, sent)
 
 
 # -- moving the state ---------------------------------------------------------------------------
@@ -448,16 +550,19 @@ class RecoveryMixin:
         enable()
         self.redundancy = Redundancy(self)
 
-    def rebuild_on(self, comm: Any) -> Any:
+    def rebuild_on(self, comm: Any, *, pp: int | None = None, tp: int | None = None) -> Any:
         """The model rebuilt on ``comm`` (every rank of it: the survivors), the same
-        strategy at the new data-parallel size, without initial values (the state is
-        moved in). Collective over ``comm``."""
+        strategy with pipeline and tensor-parallel sizes ``pp`` and ``tp`` (default: the
+        current ones) and the data-parallel size that leaves, without initial values (the
+        state is moved in). Collective over ``comm``."""
         from mpidist.parallel.model import resolve_mesh_shape
 
         module, seed = self.model.module, self.model.seed
         self.build_comm = comm
         self.config = self.config.replace(mesh=None)
-        self.shape = resolve_mesh_shape(self.config, comm, self.shape.pp, self.shape.tp, -1)
+        pp = self.shape.pp if pp is None else pp
+        tp = self.shape.tp if tp is None else tp
+        self.shape = resolve_mesh_shape(self.config, comm, pp, tp, -1)
         return self._build_model(module, seed=seed, initialize=False)  # type: ignore[attr-defined]
 
     def adopt(self, model: Any, state: Any) -> None:

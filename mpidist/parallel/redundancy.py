@@ -22,6 +22,21 @@ reduce-scatter, and each rank sends its gradient shard to its holder (one messag
 travels during the clipping and the own update). Sending the updated state instead would
 cost ``(state buffers + 1) x shard`` elements a step (three times as much with AdamW).
 
+**Meshes with pipeline or tensor parallelism.** A (stage, tp rank) column whose data-parallel
+group has two ranks or more keeps the copies above inside that group (DDP: a replica of the
+column has everything; ZeRO: the buddy's copy). Where ``dp == 1`` (e.g. pp2 x tp2 on 4 ranks)
+nothing of a column is anywhere else, so every rank's whole local state (its parameters in
+the snapshot's layout, its optimizer state, its step) is held by the next rank of the mesh
+(``(r + 1) mod n`` in the mesh's own order, which is in another column), refreshed after
+every update by sending the updated state: ``(1 + state buffers) x local`` elements and the
+step each step (AdamW: three times the rank's parameters; replaying is impossible, the
+holder does not have the other column's gradients).
+
+With each copy the holder keeps its owner's *manifest*, exchanged when the copies are made:
+which elements of which named global tensor (checkpoint names: ``params/<name>``,
+``optimizer/<state>/<name>``) each range of the owner's buffers is. A recovery onto another
+mesh reads the copies through it (:mod:`mpidist.parallel.regroup`).
+
 The copy is double-buffered, each buffer tagged with the step whose start it holds: the
 refresh of step ``s`` writes the buffer of ``s + 1`` from that of ``s``, so a failure during
 a refresh leaves the previous copy whole, and a holder that finished one step more than
@@ -39,8 +54,10 @@ import numpy as np
 from mpidist.core import collectives as C
 from mpidist.core.failure import keep_alive
 from mpidist.optim.base import OptimizerState
+from mpidist.parallel.regroup import mesh_ranks
 
-__all__ = ["MODES", "Redundancy", "copy_bytes_per_step", "holder_of"]
+__all__ = ["MODES", "Redundancy", "checkpoint_names", "copy_bytes_per_step", "holder_of",
+           "manifest"]
 
 #: the values of ``--redundancy``
 MODES = ("buddy", "none")
@@ -58,6 +75,38 @@ def copy_bytes_per_step(level: int, shard_elements: int, itemsize: int) -> int:
     return shard_elements * itemsize if level >= 2 else 0
 
 
+def manifest(placement: Any, params_size: int, state_sizes: dict[str, int],
+             sharded: bool) -> np.ndarray:
+    """Where every element of a rank's snapshot-layout buffers goes in the global named
+    tensors: int64 rows ``(name index, start, stop, buffer, offset)``: elements
+    ``[start, stop)`` of the flat global tensor ``checkpoint_names(...)[name index]`` are
+    ``buffers[buffer][offset:offset + stop - start]`` (buffer 0: the parameters; 1 + i:
+    the i-th state buffer in sorted order). ``sharded``: whether the buffers are the
+    rank's shards (levels >= 1) or full layouts (level 0). Pure."""
+    keys = sorted(state_sizes)
+    names = checkpoint_names(placement.global_shapes, keys)
+    index = {n: i for i, n in enumerate(names)}
+    buffers = {"params/": 0, **{f"optimizer/{k}/": 1 + i for i, k in enumerate(keys)}}
+    pieces = placement.checkpoint_pieces(
+        np.arange(params_size, dtype=np.int64),
+        {k: np.arange(state_sizes[k], dtype=np.int64) for k in keys}, for_writing=False,
+        params_sharded=sharded, state_sharded=sharded)
+    rows = np.empty((len(pieces), 5), dtype=np.int64)
+    for i, (name, ts, data) in enumerate(pieces):
+        prefix = name[:name.index("/") + 1] if name.startswith("params/") \
+            else name[:name.index("/", len("optimizer/")) + 1]
+        rows[i] = (index[name], ts.start, ts.stop, buffers[prefix],
+                   int(data[0]) if data.size else 0)
+    return rows
+
+
+def checkpoint_names(shapes: dict[str, Any], keys: list[str]) -> list[str]:
+    """The named global tensors of a model's training state, in a fixed order (the
+    parameters', then every state buffer's, as checkpoints name them). Pure."""
+    return [f"params/{n}" for n in shapes] + [f"optimizer/{k}/{n}" for k in sorted(keys)
+                                              for n in shapes]
+
+
 class Redundancy:
     """The snapshot and buddy copies of one rank for one model (see the module doc).
 
@@ -69,8 +118,13 @@ class Redundancy:
         model = opt.model
         self.level = model.level
         self.layout = model.layout
-        self.comm = model.comm
-        self.n, self.rank = model.dp_size, model.dp_rank
+        self.placement = model.placement
+        #: dp == 1 on a mesh with pp or tp: the next rank of the mesh holds the whole state
+        self.cross = model.dp_size == 1 and (model.pp_size > 1 or model.tp_size > 1)
+        self.comm = model.mesh.comm if self.cross else model.comm
+        #: the mesh rank of every rank of the run's communicator (recovery matches by it)
+        self.cart_of = mesh_ranks(opt.build_comm, model.mesh.comm)
+        self.n, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.dtype = np.dtype(model.dtype)
         keys = sorted(opt.state.buffers)
         size = self.layout.full_size if self.level == 0 else self.layout.local_size
@@ -79,8 +133,8 @@ class Redundancy:
         self.snap_tag = -1
         self.snap_step = 0
         self.snap_extra: dict[str, Any] = {}
-        self.copies = self.level >= 1 and self.n > 1
-        local = self.layout.local_size if self.copies else 0
+        self.copies = self.cross or (self.level >= 1 and self.n > 1)
+        local = self.layout.local_size if self.copies and not self.cross else 0
         self.copy_params = [np.zeros(local, dtype=self.dtype) for _ in range(2)]
         self.copy_state = [{k: np.zeros(local, dtype=self.dtype) for k in keys}
                            for _ in range(2)]
@@ -90,7 +144,11 @@ class Redundancy:
         self._pending: Any = None  # the gradient shard's messages in flight
         #: how the copy follows the neighbour: "replay" its update (the default), or "send"
         #: the updated state each step (kept to measure the choice: benchmarks/recovery.py)
-        self.refresh = "replay"
+        self.refresh = "send" if self.cross else "replay"
+        #: the neighbour's manifest (:func:`manifest`), from :meth:`establish`
+        self.peer_manifest = np.zeros((0, 5), dtype=np.int64)
+        self._sizes = [self.snap_params.size] + [self.snap_state[k].size for k in keys]
+        self._peer_sizes = list(self._sizes) if not self.cross else [0] * len(self._sizes)
 
     # -- who holds what ----------------------------------------------------------------------
     @property
@@ -99,15 +157,22 @@ class Redundancy:
         return (self.rank - 1) % self.n
 
     def nbytes(self) -> int:
-        """Host bytes of the snapshot and the copies on this rank."""
+        """Host bytes of the snapshot and the copies on this rank (``cross``: before the
+        copies are first made, whose size is the neighbour's, this rank's own size counts
+        for them)."""
         arrays = [self.snap_params, *self.snap_state.values(), *self.copy_params,
                   *(a for d in self.copy_state for a in d.values()), self.grad_in]
-        return int(sum(a.nbytes for a in arrays))
+        own = int(sum(a.nbytes for a in arrays))
+        if self.cross and not any(self._peer_sizes):
+            own += 2 * sum(self._sizes) * self.dtype.itemsize
+        return own
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends a step for its copy (:func:`copy_bytes_per_step`)."""
         if not self.copies:
             return 0
+        if self.refresh == "send":
+            return (sum(self._sizes) + 1) * self.dtype.itemsize
         return copy_bytes_per_step(self.level, self.layout.local_size, self.dtype.itemsize)
 
     def invalidate(self) -> None:
@@ -199,35 +264,67 @@ class Redundancy:
 
     def establish(self, opt: Any, tag: int) -> None:
         """Make the neighbour's copy from its live state, as the start of step ``tag``: one
-        ring exchange of (parameter shard, state shards, step). Collective over the
-        data-parallel group."""
+        ring exchange of (parameter shard, state shards, step), after one of the
+        manifests. Collective over the data-parallel group (``cross``: over the mesh)."""
         if not self.copies:
             return
+        self._exchange_manifest(opt)
         b = 0 if self.copy_tag[0] < self.copy_tag[1] else 1
         self._exchange(opt, tag, b)
         self.copy_tag[1 - b] = -1
 
-    def _exchange(self, opt: Any, tag: int, b: int) -> None:
-        """The neighbour's live state into copy buffer ``b``, tagged ``tag``; this rank's to
-        its holder. Collective over the data-parallel group (a ring ``Sendrecv``)."""
-        model = opt.model
-        keys = sorted(opt.state.buffers)
-        local = self.layout.local_size
-        send = np.empty((1 + len(keys)) * local + 1, dtype=self.dtype)
-        self._own_params(model, send[:local])
-        for i, k in enumerate(keys):
-            send[(1 + i) * local:(2 + i) * local] = opt.state.buffers[k]
-        send[-1] = opt.state.step
-        recv = np.empty_like(send)
+    def _ring(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """``send`` to the holder, ``recv`` from the neighbour (a ring ``Sendrecv``)."""
         try:
             self.comm.Sendrecv(send, dest=holder_of(self.rank, self.n), sendtag=_TAG,
                                recvbuf=recv, source=self.neighbour, recvtag=_TAG)
         except BaseException:
             keep_alive(send, recv)  # a failed transfer may still touch them
             raise
-        self.copy_params[b][:] = recv[:local]
+
+    def own_manifest(self) -> np.ndarray:
+        """The :func:`manifest` of this rank's snapshot-layout buffers (the parameters,
+        then the state buffers in sorted order). Pure."""
+        keys = sorted(self.snap_state)
+        return manifest(self.placement, self._sizes[0],
+                        dict(zip(keys, self._sizes[1:], strict=True)), self.level >= 1)
+
+    def _exchange_manifest(self, opt: Any) -> None:
+        """The neighbour's buffer sizes and :func:`manifest` (its copy buffers sized
+        after them). Collective like :meth:`establish`."""
+        keys = sorted(opt.state.buffers)
+        mine = self.own_manifest()
+        head = np.array([*self._sizes, mine.shape[0]], dtype=np.int64)
+        peer = np.empty_like(head)
+        self._ring(head, peer)
+        rows = np.empty((int(peer[-1]), 5), dtype=np.int64)
+        self._ring(mine, rows)
+        self.peer_manifest = rows
+        sizes = [int(v) for v in peer[:-1]]
+        if sizes != self._peer_sizes:
+            self._peer_sizes = sizes
+            self.copy_params = [np.zeros(sizes[0], dtype=self.dtype) for _ in range(2)]
+            self.copy_state = [{k: np.zeros(s, dtype=self.dtype) for k, s in
+                                zip(keys, sizes[1:], strict=True)} for _ in range(2)]
+            self.copy_tag = [-1, -1]
+
+    def _exchange(self, opt: Any, tag: int, b: int) -> None:
+        """The neighbour's live state into copy buffer ``b``, tagged ``tag``; this rank's to
+        its holder. Collective over the data-parallel group (``cross``: the mesh)."""
+        model = opt.model
+        keys = sorted(opt.state.buffers)
+        cuts = np.cumsum([0, *self._sizes])
+        send = np.empty(int(cuts[-1]) + 1, dtype=self.dtype)
+        self._own_params(model, send[:cuts[1]])
         for i, k in enumerate(keys):
-            self.copy_state[b][k][:] = recv[(1 + i) * local:(2 + i) * local]
+            send[cuts[1 + i]:cuts[2 + i]] = opt.state.buffers[k]
+        send[-1] = opt.state.step
+        peer = np.cumsum([0, *self._peer_sizes])
+        recv = np.empty(int(peer[-1]) + 1, dtype=self.dtype)
+        self._ring(send, recv)
+        self.copy_params[b][:] = recv[:peer[1]]
+        for i, k in enumerate(keys):
+            self.copy_state[b][k][:] = recv[peer[1 + i]:peer[2 + i]]
         self.copy_step[b] = int(recv[-1])
         self.copy_tag[b] = tag
 

@@ -211,8 +211,8 @@ class _Run:
             seconds = time.perf_counter() - t_train
             self.model = outcome.model if outcome.model is not None else self.opt.model
             outcome.steps += done
-            if elastic is not None and elastic.left:
-                self.left = True
+            if (elastic is not None and elastic.left) or outcome.released:
+                self.left = True  # (released: no place in the survivors' mesh)
                 return {"left": True, "step": self.opt.step_count,
                         "steps_this_run": outcome.steps}
             try:
@@ -220,6 +220,10 @@ class _Run:
             except ProcessFailure as lost:  # in the final evaluation or the summary
                 done = outcome.steps
                 changed = recover_in_loop(self.opt, lost)
+                if changed.released:
+                    self.left = True
+                    return {"left": True, "step": self.opt.step_count,
+                            "steps_this_run": done}
                 self.recovery.mesh_changed(changed.model, changed)
                 self.checkpoints.mesh_changed(changed.model, changed)
                 self.timeline.mesh_changed(changed.model, changed)

@@ -424,8 +424,8 @@ def _ulfm_on_cluster(env: dict, map_by: str, kill: str, args: list[str],
 def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: Path) -> None:
     """Under ULFM, ranks placed node by node: rank 3 (node 2) lost in step 4 is recovered in
     the job on the single-process trajectory; both of node 2's ranks lost together (rank 3
-    held rank 2's copy) end the job in one line; with round-robin placement the mesh orders
-    the ranks by node and in-job recovery is off (one line at the start, one at the loss)."""
+    held rank 2's copy) end the job in one line; with round-robin placement (the mesh orders
+    the ranks by node) the recovery matches ranks by mesh coordinates and recovers too."""
     args = [*_mpidist(), "train", "--steps", "6", "--strategy", "zero2",
             "--checkpoint-interval", "2", *TINY]
     one = _ulfm_on_cluster(cluster, "slot", "rank=3,step=4,phase=backward",
@@ -444,6 +444,8 @@ def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: 
     robin = _ulfm_on_cluster(cluster, "node", "rank=1,step=4,phase=backward",
                              [*args, "--out", str(tmp_path / "robin")], tmp_path)
     said = robin.stdout + robin.stderr
-    assert robin.returncode == 1, said[-3000:]
-    assert "in-job recovery off: the mesh orders the data-parallel ranks by node" in said
-    assert "lost rank 1 in step 4 (backward); in-job recovery is off" in said, said[-3000:]
+    assert robin.returncode == 0, said[-3000:]
+    assert "lost rank 1; 3 rank(s) go on from step 3" in robin.stdout, said[-3000:]
+    got = losses(tmp_path / "robin")
+    assert sorted(got) == sorted(reference)
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-9

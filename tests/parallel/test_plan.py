@@ -298,7 +298,11 @@ def test_copies_of_in_job_recovery_match_what_the_strategy_keeps():
                         dp=4) == (3 * 12 + 4) * params / 4
     assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=1,
                         dp=4) == 3 * 12 * params / 4
-    assert copies_bytes(params, zero_stage=2, dp=4, tp=2) == 0.0  # no recovery there
+    # pp or tp: the same within a column where dp >= 2 ...
+    assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=1, dp=4,
+                        tp=2) == 3 * 12 * params / 4
+    # ... and where dp is 1, the snapshot and the double-buffered copy of another column
+    assert copies_bytes(params, precision="fp32", optimizer="adamw", zero_stage=0, dp=1,
+                        tp=2, pp=2) == 3 * 12 * params
     rows = P.plan(8e9, 16, zero_stages=(1,))
-    assert all(r["copies_gb"] == 0 for r in rows if r["tp"] * r["pp"] > 1)
-    assert all(r["copies_gb"] > 0 for r in rows if r["tp"] * r["pp"] == 1)
+    assert all(r["copies_gb"] > 0 for r in rows)
