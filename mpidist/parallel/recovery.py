@@ -151,7 +151,8 @@ class Decision:
 
 
 def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool,
-           off: str | None = None, world: Sequence[int] | None = None) -> Decision:
+           off: str | None = None, world: Sequence[int] | None = None,
+           stride: int = 1) -> Decision:
     """The survivors' decision from the agreed table. Pure.
 
     ``n``: the old data-parallel size; ``survivors[i]``: new rank i's old rank;
@@ -159,7 +160,8 @@ def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool
     failure in, its own snapshot's step, its copy buffers' steps...); ``copies``: whether
     the level keeps buddy copies (ZeRO); ``off``: why recovery is off (None: on);
     ``world``: the old ranks' world ranks (for the message, which names the phase the
-    lowest survivor saw the failure in).
+    lowest survivor saw the failure in); ``stride``: the copies'
+    (:func:`~mpidist.parallel.redundancy.holder_of`).
     """
     alive = set(survivors)
     dead = [r for r in range(n) if r not in alive]
@@ -182,7 +184,7 @@ def decide(n: int, survivors: Sequence[int], values: np.ndarray, *, copies: bool
     if not copies:
         return d
     for r in dead:
-        h = holder_of(r, n)
+        h = holder_of(r, n, stride)
         d.holders[r] = h
         who = world[r] if world is not None else r
         if h not in alive:
@@ -223,6 +225,7 @@ class _Old:
         self.built: list[Any] = []  # models built by failed attempts
         self.pp, self.dp, self.tp = model.pp_size, model.dp_size, model.tp_size
         self.cart_of = self.red.cart_of if self.red is not None else list(range(self.n))
+        self.stride = self.red.stride if self.red is not None else 1  # who holds whose copy
         #: the general path (mesh coordinates, named tensors): pp or tp, or a reordered mesh
         self.general = self.pp * self.tp > 1 or self.cart_of != list(range(self.n))
         self.shapes = model.tensor_shapes()
@@ -267,7 +270,8 @@ def _attempt(old: Any, off: str | None, t0: float) -> MeshChanged:
                     values=old.values())
     old.newest = shrunk.comm
     d = decide(old.n, shrunk.survivors, shrunk.values,
-               copies=old.red is not None and old.red.copies, off=off, world=old.world)
+               copies=old.red is not None and old.red.copies, off=off, world=old.world,
+               stride=old.stride)
     if d.unrecoverable:
         commit(shrunk.comm)
         raise UnrecoverableFailure(d.unrecoverable)
@@ -322,7 +326,8 @@ class _Freed:
 def _lost_line(old: Any, d: Decision, shrunk: Any) -> str:
     """The one line when a dead rank's state is gone on the general path ('' if none)."""
     gone = uncovered(d.dead, shrunk.survivors, shrunk.values, d.step + 1, pp=old.pp,
-                     dp=old.dp, tp=old.tp, level=old.level, cart_of=old.cart_of)
+                     dp=old.dp, tp=old.tp, level=old.level, cart_of=old.cart_of,
+                     stride=old.stride)
     if gone is None:
         return ""
     v, h, why = gone
@@ -356,7 +361,7 @@ def _attempt_general(old: Any, off: str | None, t0: float) -> MeshChanged:
     params, own_state, opt_step, extras = red.own_at(old.model, old.state, old.extras, tag)
     keys = sorted(own_state)
     sources = [(red.own_manifest(), [params, *(own_state[k] for k in keys)])]
-    holders = holder_map(old.pp, old.dp, old.tp, old.level, old.cart_of)
+    holders = holder_map(old.pp, old.dp, old.tp, old.level, old.cart_of, old.stride)
     for v in d.dead:
         copy = red.copy_at(tag) if holders.get(v) == old.rank else None
         if copy is not None:
@@ -533,8 +538,9 @@ class RecoveryMixin:
     def setup_redundancy(self) -> None:
         """Make the copies of the attached model where ``redundancy_mode`` asks for them:
         "buddy", or None where MPI's fault tolerance is on (which installs its hook).
-        ValueError when "buddy" is asked of a strategy that cannot keep them. Not
-        collective (the copies are filled at the first step)."""
+        ValueError when "buddy" is asked of a strategy that cannot keep them. Collective
+        over the model's data-parallel group (or its mesh, where dp is 1) where copies are
+        made: their node map, once (the copies are filled at the first step)."""
         from mpidist.core.failure import enable
         from mpidist.parallel.redundancy import Redundancy
 

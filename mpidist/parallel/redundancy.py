@@ -11,7 +11,11 @@ Two kinds of copies make that possible, both in host memory:
   the redo computes them again.
 * **A buddy's copy** of a neighbour's shard (ZeRO-1/2/3: the optimizer state, the
   parameters' shard): rank ``r`` of the data-parallel group holds the copy of rank
-  ``(r - 1) mod n``. DDP needs none (every survivor has everything).
+  ``(r - s) mod n``, ``s`` the group's *stride* (:func:`copy_stride`): 1 on one node; where
+  the group spans nodes, the smallest step that lands every rank on another node than its
+  own (ranks placed node by node, k per node: ``s = k``, the same local index on the next
+  node), so that a node lost whole leaves every copy of its ranks alive. DDP needs none
+  (every survivor has everything).
 
 The buddy's copy is refreshed every step without sending the state: after its own update,
 the holder applies the same fused update (the same kernel, learning rate, gradient scale and
@@ -27,7 +31,7 @@ group has two ranks or more keeps the copies above inside that group (DDP: a rep
 column has everything; ZeRO: the buddy's copy). Where ``dp == 1`` (e.g. pp2 x tp2 on 4 ranks)
 nothing of a column is anywhere else, so every rank's whole local state (its parameters in
 the snapshot's layout, its optimizer state, its step) is held by the next rank of the mesh
-(``(r + 1) mod n`` in the mesh's own order, which is in another column), refreshed after
+(``(r + s) mod n`` in the mesh's own order, which is in another column), refreshed after
 every update by sending the updated state: ``(1 + state buffers) x local`` elements and the
 step each step (AdamW: three times the rank's parameters; replaying is impossible, the
 holder does not have the other column's gradients).
@@ -47,16 +51,19 @@ or a recovery the copies are made anew by one ring exchange of the shards
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from mpidist.core import collectives as C
 from mpidist.core.failure import keep_alive
+from mpidist.core.topology import topology
 from mpidist.optim.base import OptimizerState
 from mpidist.parallel.regroup import mesh_ranks
 
-__all__ = ["MODES", "Redundancy", "checkpoint_names", "copy_bytes_per_step", "holder_of",
+__all__ = ["MODES", "Redundancy", "checkpoint_names", "copy_bytes_per_step", "copy_stride",
+           "holder_of",
            "manifest"]
 
 #: the values of ``--redundancy``
@@ -64,9 +71,24 @@ MODES = ("buddy", "none")
 _TAG = 0x4D44  # the point-to-point tag of the copies' messages on the data-parallel group
 
 
-def holder_of(rank: int, n: int) -> int:
-    """The rank of a data-parallel group of ``n`` that holds ``rank``'s copy. Pure."""
-    return (rank + 1) % n
+def holder_of(rank: int, n: int, stride: int = 1) -> int:
+    """The rank of a group of ``n`` that holds ``rank``'s copy (``stride``:
+    :func:`copy_stride` of the group). Pure."""
+    return (rank + stride) % n
+
+
+def copy_stride(nodes: Sequence[int]) -> int:
+    """The smallest ``s`` in ``1 .. n-1`` such that rank ``(r + s) mod n`` is on another
+    node than rank ``r`` for every rank ``r`` of a group (``nodes[r]``: the node of rank
+    ``r``); 1 where there is none (one node, or nodes the ring cannot separate). Pure:
+    the same on every rank that has the same node map."""
+    n = len(nodes)
+    if n < 2 or len(set(nodes)) < 2:
+        return 1
+    for s in range(1, n):
+        if all(nodes[(r + s) % n] != nodes[r] for r in range(n)):
+            return s
+    return 1
 
 
 def copy_bytes_per_step(level: int, shard_elements: int, itemsize: int) -> int:
@@ -110,8 +132,10 @@ def checkpoint_names(shapes: dict[str, Any], keys: list[str]) -> list[str]:
 class Redundancy:
     """The snapshot and buddy copies of one rank for one model (see the module doc).
 
-    Made by the optimizer when its model is attached; ``tag`` values are step numbers: a
-    buffer tagged ``s`` holds the state at the start of step ``s`` (after ``s - 1`` steps).
+    Made by the optimizer when its model is attached (collective over the group the copies
+    ring over the first time: its node map, :func:`mpidist.core.topology.topology`);
+    ``tag`` values are step numbers: a buffer tagged ``s`` holds the state at the start of
+    step ``s`` (after ``s - 1`` steps).
     """
 
     def __init__(self, opt: Any) -> None:
@@ -125,6 +149,12 @@ class Redundancy:
         #: the mesh rank of every rank of the run's communicator (recovery matches by it)
         self.cart_of = mesh_ranks(opt.build_comm, model.mesh.comm)
         self.n, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        #: the holder of this rank's copy is ``(rank + stride) mod n`` (:func:`copy_stride`:
+        #: node-aware where the copies ring over the whole mesh; 1 inside the columns of a
+        #: mesh with pp or tp, whose dp groups may lie otherwise on the nodes)
+        whole = self.cross or model.pp_size * model.tp_size == 1
+        self.stride = copy_stride(topology(self.comm).map.nodes) \
+            if whole and self.n > 1 else 1
         self.dtype = np.dtype(model.dtype)
         keys = sorted(opt.state.buffers)
         size = self.layout.full_size if self.level == 0 else self.layout.local_size
@@ -154,7 +184,12 @@ class Redundancy:
     @property
     def neighbour(self) -> int:
         """The rank whose copy this rank holds."""
-        return (self.rank - 1) % self.n
+        return (self.rank - self.stride) % self.n
+
+    @property
+    def holder(self) -> int:
+        """The rank that holds this rank's copy."""
+        return holder_of(self.rank, self.n, self.stride)
 
     def nbytes(self) -> int:
         """Host bytes of the snapshot and the copies on this rank (``cross``: before the
@@ -208,7 +243,7 @@ class Redundancy:
             # (a request that never completes keeps its buffers: a failed one must)
             self._pending = C.Request(
                 [self.comm.Irecv(self.grad_in, source=self.neighbour, tag=_TAG),
-                 self.comm.Isend(model.grad_shard, dest=holder_of(self.rank, self.n),
+                 self.comm.Isend(model.grad_shard, dest=self.holder,
                                  tag=_TAG)], self.grad_in, keep=(model.grad_shard,))
 
     def after_update(self, opt: Any, tag: int, scale: float, skipped: bool) -> None:
@@ -276,7 +311,7 @@ class Redundancy:
     def _ring(self, send: np.ndarray, recv: np.ndarray) -> None:
         """``send`` to the holder, ``recv`` from the neighbour (a ring ``Sendrecv``)."""
         try:
-            self.comm.Sendrecv(send, dest=holder_of(self.rank, self.n), sendtag=_TAG,
+            self.comm.Sendrecv(send, dest=self.holder, sendtag=_TAG,
                                recvbuf=recv, source=self.neighbour, recvtag=_TAG)
         except BaseException:
             keep_alive(send, recv)  # a failed transfer may still touch them

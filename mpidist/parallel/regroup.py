@@ -85,22 +85,23 @@ def _coords(c: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
     return s, d, t
 
 
-def holder_map(pp: int, dp: int, tp: int, level: int, cart_of: Sequence[int]
-               ) -> dict[int, int]:
+def holder_map(pp: int, dp: int, tp: int, level: int, cart_of: Sequence[int],
+               stride: int = 1) -> dict[int, int]:
     """Rank (in the run's communicator) -> the rank that holds its copy, for every rank
     whose state has a copy elsewhere than in its column's replicas: at ZeRO with dp >= 2,
-    the next dp index of its column; with dp == 1, the next mesh rank. Empty at DDP with
-    dp >= 2 (replicas). ``cart_of[i]``: the mesh rank of rank ``i``. Pure."""
+    the dp index ``stride`` further in its column; with dp == 1, the mesh rank ``stride``
+    further (:func:`mpidist.parallel.redundancy.copy_stride`). Empty at DDP with dp >= 2
+    (replicas). ``cart_of[i]``: the mesh rank of rank ``i``. Pure."""
     n = pp * dp * tp
     top_of = {c: i for i, c in enumerate(cart_of)}
     out: dict[int, int] = {}
     for i, c in enumerate(cart_of):
         if dp == 1:
             if n > 1:
-                out[i] = top_of[(c + 1) % n]
+                out[i] = top_of[(c + stride) % n]
         elif level >= 1:
             s, d, t = _coords(c, pp, dp, tp)
-            out[i] = top_of[(s * dp + (d + 1) % dp) * tp + t]
+            out[i] = top_of[(s * dp + (d + stride) % dp) * tp + t]
     return out
 
 
@@ -117,13 +118,13 @@ def column_survivors(v: int, alive: Sequence[int], pp: int, dp: int, tp: int,
 
 
 def uncovered(dead: Sequence[int], survivors: Sequence[int], values: np.ndarray, tag: int, *,
-              pp: int, dp: int, tp: int, level: int, cart_of: Sequence[int]
-              ) -> tuple[int, int, str] | None:
+              pp: int, dp: int, tp: int, level: int, cart_of: Sequence[int],
+              stride: int = 1) -> tuple[int, int, str] | None:
     """The first dead rank whose state is gone, as ``(rank, holder, why)`` (``why``:
     ``"died"`` with it, or ``"stale"``: its copy does not hold step ``tag``), or None when
     every dead rank is covered. ``values[i]``: survivor i's reported row (its copy tags from
-    index 3). Pure."""
-    holders = holder_map(pp, dp, tp, level, cart_of)
+    index 3); ``stride``: the copies' (:func:`holder_map`). Pure."""
+    holders = holder_map(pp, dp, tp, level, cart_of, stride)
     alive = list(survivors)
     for v in dead:
         if v not in holders:  # DDP replicas: any survivor of the column has it all

@@ -423,9 +423,11 @@ def _ulfm_on_cluster(env: dict, map_by: str, kill: str, args: list[str],
 
 def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: Path) -> None:
     """Under ULFM, ranks placed node by node: rank 3 (node 2) lost in step 4 is recovered in
-    the job on the single-process trajectory; both of node 2's ranks lost together (rank 3
-    held rank 2's copy) end the job in one line; with round-robin placement (the mesh orders
-    the ranks by node) the recovery matches ranks by mesh coordinates and recovers too."""
+    the job on the single-process trajectory; so is node 2 lost whole (ranks 2 and 3: their
+    copies are held on node 1, the copies' stride is the 2 ranks of a node); rank 1 and
+    rank 3, which held its copy, lost together end the job in one line; with round-robin
+    placement (the mesh orders the ranks by node) the recovery matches ranks by mesh
+    coordinates and recovers too."""
     args = [*_mpidist(), "train", "--steps", "6", "--strategy", "zero2",
             "--checkpoint-interval", "2", *TINY]
     one = _ulfm_on_cluster(cluster, "slot", "rank=3,step=4,phase=backward",
@@ -439,8 +441,16 @@ def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: 
                             "rank=3,step=4,phase=backward",
                             [*args, "--out", str(tmp_path / "node")], tmp_path)
     said = node.stdout + node.stderr
-    assert node.returncode == 1, said[-3000:]
-    assert "rank 2 and rank 3, which held its copy, died together" in said, said[-3000:]
+    assert node.returncode == 0, said[-3000:]
+    assert "lost ranks 2 and 3; 2 rank(s) go on from step 3" in node.stdout, said[-3000:]
+    got = losses(tmp_path / "node")
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-9
+    pair = _ulfm_on_cluster(cluster, "slot", "rank=1,step=4,phase=backward;"
+                            "rank=3,step=4,phase=backward",
+                            [*args, "--out", str(tmp_path / "pair")], tmp_path)
+    said = pair.stdout + pair.stderr
+    assert pair.returncode == 1, said[-3000:]
+    assert "rank 1 and rank 3, which held its copy, died together" in said, said[-3000:]
     robin = _ulfm_on_cluster(cluster, "node", "rank=1,step=4,phase=backward",
                              [*args, "--out", str(tmp_path / "robin")], tmp_path)
     said = robin.stdout + robin.stderr

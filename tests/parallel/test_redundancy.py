@@ -13,7 +13,7 @@ from strategy_helpers import make_case, reference_run
 from mpidist.data import GlobalBatchSampler
 from mpidist.parallel import ShardedOptimizer, ShardingConfiguration
 from mpidist.parallel.recovery import PHASES, decide, lost_words
-from mpidist.parallel.redundancy import copy_bytes_per_step, holder_of
+from mpidist.parallel.redundancy import copy_bytes_per_step, copy_stride, holder_of
 
 STEPS, BATCH = 4, 12
 
@@ -43,7 +43,7 @@ def _neighbour_truth(opt):
     parts = [mine] + [opt.state.buffers[k] for k in sorted(opt.state.buffers)]
     send = np.concatenate(parts + [np.array([opt.state.step], dtype=model.dtype)])
     recv = np.empty_like(send)
-    model.comm.Sendrecv(send, dest=holder_of(red.rank, red.n), recvbuf=recv,
+    model.comm.Sendrecv(send, dest=red.holder, recvbuf=recv,
                         source=red.neighbour)
     return recv
 
@@ -115,6 +115,22 @@ def test_copy_bytes_per_step_formula():
     assert copy_bytes_per_step(2, 100, 8) == 800
     assert copy_bytes_per_step(3, 100, 4) == 400
     assert [holder_of(r, 4) for r in range(4)] == [1, 2, 3, 0]
+
+
+def test_copy_stride_puts_every_copy_on_another_node():
+    assert copy_stride([0, 0, 0, 0]) == 1  # one node: the next rank
+    assert copy_stride([0, 0, 1, 1]) == 2  # node by node, 2 per node: the next node
+    assert [holder_of(r, 4, 2) for r in range(4)] == [2, 3, 0, 1]
+    assert copy_stride([0, 1, 0, 1]) == 1  # round robin: the next rank is on the next node
+    assert copy_stride([0, 0, 0, 1, 1, 1]) == 3
+    assert copy_stride([0, 0, 0, 1]) == 1  # no ring step separates them all: the default
+    assert copy_stride([5]) == 1
+    # a node lost whole (ranks 2 and 3 of [0, 0, 1, 1]): both copies are on node 0
+    values = _table([[4, 5, 5, -1], [4, 5, 5, -1]])
+    d = decide(4, [0, 1], values, copies=True, stride=2)
+    assert not d.unrecoverable and d.holders == {2: 0, 3: 1}
+    d = decide(4, [0, 2], values, copies=True, stride=2)  # rank 1 and its holder 3
+    assert "rank 1 and rank 3, which held its copy, died together" in d.unrecoverable
 
 
 def _table(rows, phase=0):
