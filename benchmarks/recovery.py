@@ -162,7 +162,8 @@ def recovery_run(tmp: Path, phase: str, victim: int, train: list[str]) -> dict:
     """One run with a rank killed at ``phase`` of step 3; its recovery's figures."""
     out = tmp / f"run-{uuid.uuid4().hex[:8]}"
     cmd = [str(LAUNCHER), "--timeout", str(LIMIT), "-n", "4", sys.executable, "-m",
-           "mpidist", "train", "--strategy", "zero2", "--out", str(out), *train]
+           "mpidist", "train", "--strategy", "zero2", "--out", str(out), "--regrow", "none",
+           *train]
     proc = subprocess.run(cmd, env=_env(MPIDIST_FT_KILL=_kill_spec(phase, victim)),
                           capture_output=True, text=True, timeout=LIMIT + 30, check=False)
     text = proc.stdout + proc.stderr

@@ -51,16 +51,18 @@ from typing import Any
 from mpidist.checkpoint.background import wait_in_flight
 from mpidist.core.calls import set_step
 from mpidist.core.comms import bcast_json, mpi, phase, traced
-from mpidist.core.failure import ProcessFailure, commit
+from mpidist.core.failure import ProcessFailure, commit, revoke_all
 from mpidist.parallel.elastic import move_all
 from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
 from mpidist.parallel.resize import ResizeDecision
 
-__all__ = ["MAX_TRIES", "GrowRefused", "Grown", "JoinAbandoned", "Joined", "build_model",
+__all__ = ["MAX_TRIES", "MODES", "GrowRefused", "Grown", "JoinAbandoned", "Joined", "build_model",
            "grow", "is_newcomer", "join", "joins_wanted", "next_try", "spawn_args"]
 
 #: failed joins after which a run stops trying to grow back
 MAX_TRIES = 3
+#: the values of ``mpidist train --regrow``: spawn replacements, or go on smaller
+MODES = ("spawn", "none")
 
 
 # -- when ---------------------------------------------------------------------------------------
@@ -157,6 +159,16 @@ def _metadata(opt: Any, n_old: int) -> dict[str, Any]:
             "extras": opt.position_extras()}
 
 
+def _as_failure(exc: Any, where: str) -> ProcessFailure:
+    """An MPI error of the join that is not a lost-process class (Open MPI reports a
+    process lost in a collective over the survivors and the newcomers as ``MPI_ERR_OTHER``
+    to some members) as a lost process: every communicator is revoked, so that every
+    survivor leaves the join and recovers."""
+    revoke_all()
+    return ProcessFailure(f"the join failed: {exc.Get_error_string()}", phase=where,
+                          error_class=exc.Get_error_class())
+
+
 class _Saved:
     """The survivors' pre-join optimizer fields, put back when the join fails."""
 
@@ -220,6 +232,9 @@ def grow(opt: Any, joins: int, extra: dict[str, Any] | None = None, *,
     except ProcessFailure:
         saved.restore(opt)
         raise
+    except MPI.Exception as exc:  # (a collective over both jobs may fail with another class)
+        saved.restore(opt)
+        raise _as_failure(exc, "grow") from exc
     t4 = time.perf_counter()
     return Grown(union, model, int(joins), {"spawn": t1 - t0, "transfer": t2 - t1,
                                             "copies": t3 - t2, "commit": t4 - t3,
@@ -266,6 +281,7 @@ def join(opt: Any, module: Any, *, seed: int = 0) -> Joined:
             # the survivors' commit(): a newcomer never survived a failure (it ends with
             # MPI_Finalize, which a spawned process must call)
             union.Agree(1)
-    except ProcessFailure as lost:
+    except (ProcessFailure, MPI.Exception) as lost:
+        revoke_all()  # (an error of another class revokes nothing by itself)
         raise JoinAbandoned(f"a process was lost during the join: {lost}") from lost
     return Joined(union, model, meta, time.perf_counter() - t0)

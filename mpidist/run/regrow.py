@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core.comms import mpi
 from mpidist.parallel.regrow import (
     MAX_TRIES,
     GrowRefused,
@@ -85,6 +86,8 @@ class RunRegrow:
     def why_off(self) -> str:
         """Why the run does not grow back after a recovery ("" where it does)."""
         run = self.run
+        if run.cfg.regrow == "none":
+            return "--regrow none"
         if run.elastic:
             return "the elastic strategy changes its membership itself"
         status = run.recovery.line()
@@ -125,6 +128,7 @@ class RunRegrow:
             log.warning("newcomer: %s; the job went on without this process", gone)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
+            mpi().Finalize()  # a spawned process must (else the launcher fails the job)
             os._exit(0)
         meta = self.meta = joined.meta
         if meta.get("error_agreement"):
