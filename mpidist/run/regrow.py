@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -54,18 +55,65 @@ __all__ = ["RunRegrow", "before_exit"]
 log = logging.getLogger("mpidist.cli.train")
 
 _JOINED: list[Any] = [None]  # a newcomer's grown communicator
+#: seconds a newcomer waits in MPI_Finalize at its end before it exits without it
+FINALIZE_WAIT_S = 10.0
 
 
-def before_exit() -> None:
-    """In a newcomer that never survived a failure: the barrier the survivors make on
-    their way out (:func:`mpidist.core.failure.leave`, on the job's communicator), before
-    this process ends with ``MPI_Finalize`` (a spawned process must). Collective over the
-    job's communicator; nothing elsewhere."""
-    from mpidist.core.failure import survived
+def before_exit(status: int) -> None:
+    """In a newcomer: end the process as the survivors end theirs
+    (:func:`mpidist.core.failure.leave`: a barrier on the job's communicator), but with
+    ``MPI_Finalize``, which a spawned process must call (the launcher fails the job
+    otherwise), then ``os._exit(status)``. Collective over the job's communicator;
+    returns at once elsewhere (not a newcomer)."""
+    from mpidist.core.failure import job_comm, survived
 
-    comm = _JOINED[0]
-    if comm is not None and not survived():
+    if _JOINED[0] is None:
+        return
+    comm = job_comm() if survived() else _JOINED[0]
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    try:
         comm.Barrier()
+    except Exception:  # noqa: BLE001 - a failure on the way out: leave anyway
+        pass
+    if survived():  # (Open MPI 5.0's MPI_Finalize crashes after a failure: ompi_dpm)
+        os._exit(status)
+    _after_the_survivors(comm)
+    _finalize_and_exit(status)
+
+
+def _after_the_survivors(comm: Any, seconds: float = 2.0) -> None:
+    """Wait (at most ``seconds``) until this process knows that a survivor ended (they
+    leave without MPI_Finalize right after the barrier: a failure to MPI): entered while
+    they still run, MPI_Finalize's disconnect from their job waits for them forever."""
+    MPI = mpi()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            MPI.Comm.Iprobe(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)  # (progress)
+        except MPI.Exception:
+            pass
+        failed = MPI.Comm.Get_failed(comm)
+        n = failed.Get_size()
+        failed.Free()
+        if n:
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)
+
+
+def _finalize_and_exit(status: int) -> None:
+    """``MPI_Finalize`` (a spawned process must call it, or the launcher fails the job),
+    then ``os._exit(status)``. MPI_Finalize disconnects from every job this process is
+    connected to; after a failure in one of them it now and then waits forever
+    (open-mpi/ompi#11404): the process leaves anyway after :data:`FINALIZE_WAIT_S`."""
+    done = threading.Event()
+    threading.Thread(target=lambda: done.wait(FINALIZE_WAIT_S) or os._exit(status),
+                     daemon=True).start()
+    mpi().Finalize()
+    done.set()
+    os._exit(status)
 
 
 class RunRegrow:
@@ -128,8 +176,7 @@ class RunRegrow:
             log.warning("newcomer: %s; the job went on without this process", gone)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            mpi().Finalize()  # a spawned process must (else the launcher fails the job)
-            os._exit(0)
+            _finalize_and_exit(0)
         meta = self.meta = joined.meta
         if meta.get("error_agreement"):
             enable_error_agreement(joined.comm)  # as the survivors' commit rebinds theirs
