@@ -26,8 +26,8 @@ def _rank() -> int:
     ``100 * (job - 1)`` plus it, so that its files and events do not mix with a first
     rank's."""
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
-    job = os.environ.get("PMIX_NAMESPACE", "").rpartition("@")[2]
-    return rank + 100 * (int(job) - 1) if job.isdigit() and int(job) > 1 else rank
+    _, at, job = os.environ.get("PMIX_NAMESPACE", "").rpartition("@")  # (Open MPI 5's)
+    return rank + 100 * (int(job) - 1) if at and job.isdigit() and int(job) > 1 else rank
 
 
 RANK = _rank()
