@@ -212,6 +212,7 @@ class RunRegrow:
                              failures=self.failures, retry_at=self.retry_at)
         if not joins:
             return model
+        run.checkpoints.wait(rec.step)  # a save in flight commits over the pre-join ranks
         self.attempt = {"step": int(rec.step), "from": size, "joins": joins,
                         "t0": time.time()}
         try:

@@ -150,3 +150,21 @@ def test_a_second_loss_after_growing_back(ulfm, tmp_path, monkeypatch):
     # crashes in ompi_dpm_dyn_finalize then), which the launcher may count (status 1).
     check_grown(job, out, ref, lost=[[2], [3]], grown=[(3, 4), (3, 4)], statuses=(0, 1))
     assert job.last(100, "step-6") is not None and job.last(200, "step-6") is not None
+
+
+def test_an_asynchronous_save_in_flight_commits_before_the_join(ulfm, tmp_path, monkeypatch):
+    """A background save every step: the one of step 2 is abandoned by the recovery (in
+    flight when rank 2 is lost in step 3); the one of step 3, in flight at the join,
+    commits over the 3 survivors before it; the later ones are written by the 4 ranks."""
+    ref = reference(tmp_path)
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2", regrow="spawn",
+                     extra=("--checkpoint-interval", "1", "--checkpoint-async"),
+                     kill=_kill(2, 3, "backward"))
+    check_grown(job, out, ref, lost=[[2]], grown=[(3, 4)])
+    events = _events(out)
+    saved = {e["step"]: e["world_size"] for e in events if e["event"] == "checkpoint"}
+    assert saved == {1: 4, 3: 3, 4: 4, 5: 4, 6: 4}, saved
+    assert [e["step"] for e in events if e["event"] == "checkpoint_abandoned"] == [2]
+    kinds = [(e["event"], e.get("step")) for e in events]
+    assert kinds.index(("checkpoint", 3)) < kinds.index(("grown", 3)), kinds
+    assert (out / "latest").read_text().strip() == "ckpt-00000006.h5"
