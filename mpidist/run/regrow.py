@@ -19,7 +19,7 @@ smaller; this hook brings it back (:mod:`mpidist.parallel.regrow`):
   the position and the run's counters from rank 0 and the state from the survivors, and
   train on from the next step. Their output goes where the launcher sends the spawned
   processes' (``mpiexec`` forwards it with the others'); they write no ``train.log``.
-  Newcomers of an abandoned join exit at once (status 0).
+  Newcomers of an abandoned join exit at once (status 0, after MPI_Finalize).
 * **Records.** An event ``grown`` per join (step, sizes, seconds of spawn and merge,
   transfer, copies, commit and the whole stall, apart from the recovery's), a row of the
   summary's ``grown``, a line from rank 0, and the start line ``growing back on (...)`` or

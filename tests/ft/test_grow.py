@@ -47,6 +47,18 @@ def check_grown(job, out, ref, *, lost: list[list[int]], grown: list[tuple[int, 
     return rows
 
 
+def test_the_stack_spawns_and_merges_after_a_shrink(ulfm):
+    """What growing back stands on: Spawn and Merge on the survivors' shrunk
+    communicator, under --with-ft ulfm (tests/ft/programs/spawn_after_shrink.py)."""
+    job = ulfm("spawn_after_shrink.py", 4, timeout=60)
+    assert not job.timed_out and job.returncode == 0, job.report()
+    merged = job.each("merged")
+    assert sorted(merged) == [0, 1, 3, 100], job.report()
+    assert {e["size"] for e in merged.values()} == {4}, merged
+    assert {e["sum"] for e in merged.values()} == {1 + 2 + 4 + 100}, merged
+    assert 0 < merged[0]["spawn_s"] < 30, merged[0]
+
+
 @pytest.mark.ft_smoke
 def test_a_lost_rank_is_replaced(ulfm, tmp_path, monkeypatch):
     """zero2: rank 2 lost in step 3; 3 ranks redo it, then a newcomer joins: 4 ranks from
