@@ -382,13 +382,14 @@ def test_ulfm_job_survives_a_killed_rank(slurm, workdir: Path) -> None:
     steps = 8
     args = TINY + f" --steps {steps} --dtype float64 --no-progress"
     env = {k: v for k, v in _job_env().items() if not k.startswith("MPIDIST_FT")}
+    job_args = args + " --regrow none"  # the survivors finish on 3 (growing back: tests/ft)
     ref = subprocess.run([sys.executable, "-m", "mpidist", "train", *args.split(), "--out",
                           str(workdir / "reference")], cwd=workdir, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     want = {r["step"]: r["loss"] for r in _rows(workdir / "reference/metrics.jsonl")
             if r["split"] == "train"}
-    job = _sbatch(workdir, "train-ulfm.sbatch", MPIDIST_TRAIN_ARGS=args,
+    job = _sbatch(workdir, "train-ulfm.sbatch", MPIDIST_TRAIN_ARGS=job_args,
                   MPIDIST_OUT="runs/ulfm", MPIDIST_ULFM_PREFIX=str(prefix),
                   MPIDIST_FT_KILL="rank=2,step=5,phase=backward")
     text = _assert_ok(_wait(job))

@@ -45,4 +45,9 @@ def _main(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_sources(toml, flags)
     given = set(toml) | {k for k, v in flags.items() if v is not None}
     summary = run_training(cfg, world(), given=given)
-    return EXIT_PREEMPTED if summary.get("preempted") else 0
+    status = EXIT_PREEMPTED if summary.get("preempted") else 0
+    if cfg.strategy != "elastic":  # a newcomer of growing back ends here (MPI_Finalize)
+        from mpidist.run.regrow import before_exit
+
+        before_exit(status)
+    return status

@@ -85,6 +85,7 @@ __all__ = [
     "decide",
     "maybe_rescale",
     "membership",
+    "move_all",
     "transfer_plan",
 ]
 
@@ -443,7 +444,7 @@ class ElasticOptimizer(ShardedOptimizer):
         timing["rebuild"] = t2 - t1
         for phase_hook in self._phase_hooks:
             phase_hook("redistribute", me_old)
-        moved = _move_all(union, d, me, (old_model, self.state), (new_model, new_state))
+        moved = move_all(union, d, me, (old_model, self.state), (new_model, new_state))
         t3 = time.perf_counter()
         timing["redistribute"] = t3 - t2
         step = self.state.step
@@ -510,7 +511,7 @@ class ElasticOptimizer(ShardedOptimizer):
         if sorted(state.buffers) != list(meta["state_keys"]):
             raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the job's "
                              f"{meta['state_keys']}: not the same optimizer")
-        _move_all(union, d, me, None, (model, state))
+        move_all(union, d, me, None, (model, state))
         union.Free()
         self._install(new_comm, model, state)
         self.restore_position(int(meta["step"]), int(meta["steps_taken"]), meta["data"])
@@ -565,9 +566,11 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 Held = tuple[ShardedModel | None, Any] | None  # (model, optimizer state) on one side, or None
 
 
-def _move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held) -> int:
+def move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held) -> int:
     """Move the parameters and every optimizer-state buffer from the old workers' models to
-    the new ones. ``old`` is None on a joiner, ``new`` (or its model) None on a leaver.
+    the new ones (``union``: the old workers first, in their order, then the joiners; ``d``
+    the agreed change). ``old`` is None on a joiner, ``new`` (or its model) None on a leaver.
+    Also what in-job recovery's growing back moves (:mod:`mpidist.parallel.regrow`).
     Collective over ``union``. Returns the bytes this member sent to others."""
     old_model, old_state = old if old is not None else (None, None)
     new_model, new_state = new if new is not None else (None, None)

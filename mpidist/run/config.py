@@ -23,6 +23,7 @@ from mpidist.parallel.pipeline import SCHEDULES
 from mpidist.parallel.precision import compute_dtype
 from mpidist.parallel.redundancy import MODES as REDUNDANCY
 from mpidist.parallel.registry import DEFAULT_STRATEGY, STRATEGIES
+from mpidist.parallel.regrow import MODES as REGROW
 
 __all__ = ["COMPRESSION_METHODS", "STRATEGY_NAMES", "TrainConfig", "add_train_arguments",
            "check_output_directory", "load_toml"]
@@ -97,6 +98,7 @@ class TrainConfig:
     straggler_interval: int = 10
     straggler_margin: float = 0.3
     redundancy: str = "buddy"
+    regrow: str = "spawn"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -124,6 +126,8 @@ class TrainConfig:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         if self.redundancy not in REDUNDANCY:
             raise ValueError(f"redundancy={self.redundancy!r} must be one of {REDUNDANCY}")
+        if self.regrow not in REGROW:
+            raise ValueError(f"regrow={self.regrow!r} must be one of {REGROW}")
         if self.compression not in COMPRESSION_METHODS:
             raise ValueError(f"compression={self.compression!r} is not one of "
                              f"{COMPRESSION_METHODS}")
@@ -437,6 +441,10 @@ _FLAGS: list[tuple[str, Any, Any, str]] = [
      "copies for in-job recovery from a lost rank (MPI with fault tolerance: Open MPI 5 "
      "under mpiexec --with-ft ulfm; ddp, zero1-3): buddy keeps each rank's shard in its "
      "neighbour's memory and the survivors go on; none: a lost rank ends the job"),
+    ("--regrow", str, REGROW,
+     "after in-job recovery: spawn replacements at the next step boundary, up to the size "
+     "the run started with or the size in <out>/elastic-target, their state sent by the "
+     "survivors; none: go on smaller"),
 ]
 
 

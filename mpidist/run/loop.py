@@ -30,6 +30,7 @@ from mpidist.core.comms import phase, world
 from mpidist.core.failure import ProcessFailure
 from mpidist.nn.allocator import reuse_freed_memory
 from mpidist.parallel.loop import recover_in_loop, run_steps
+from mpidist.parallel.regrow import is_newcomer
 from mpidist.run.build import make_data, make_model, make_strategy
 from mpidist.run.checkpoints import RunCheckpoints
 from mpidist.run.config import TrainConfig, check_output_directory
@@ -54,6 +55,7 @@ from mpidist.run.preempt import (
     signal_name,
 )
 from mpidist.run.recovery import RunRecovery
+from mpidist.run.regrow import RunRegrow
 from mpidist.run.resume import check_data_hash
 from mpidist.run.timeline import RunTimeline
 
@@ -87,6 +89,8 @@ def run_training(cfg: TrainConfig, comm: Any = None, *,
         from mpidist.parallel import ElasticOptimizer
 
         joiner = ElasticOptimizer.is_joiner()
+    else:  # spawned to grow the job back after a lost rank (mpidist.run.regrow)
+        joiner = is_newcomer()
     rank = 1 if joiner else comm.Get_rank()  # a joiner is never rank 0
     setup_logging(rank)
     check_output_directory(cfg.out)
@@ -134,6 +138,7 @@ class _Run:
         self.comm = comm
         self.elastic = cfg.strategy == "elastic"
         self.joiner = joiner
+        self.newcomer = joiner and not self.elastic  # spawned to grow back after a loss
         self.left = False
         # Elastic jobs keep SIGTERM for "this worker leaves"; SIGUSR1 preempts them.
         signals = [s for s in PREEMPT_SIGNALS if not (self.elastic and s == signal.SIGTERM)]
@@ -143,6 +148,7 @@ class _Run:
         self.agreement = StepAgreement()
         self.opt = make_strategy(cfg, comm)
         self.recovery = RunRecovery(self)  # in-job recovery from a lost rank, where it can
+        self.regrow = RunRegrow(self)  # and growing back to size afterwards
         self.io_seconds = 0.0
         self._skipped = 0
         self.last_saved = -1
@@ -170,13 +176,19 @@ class _Run:
     def execute(self) -> dict[str, Any]:
         cfg = self.cfg
         t_setup = time.perf_counter()
-        self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
+        if self.newcomer:  # the model and the state come from the survivors
+            self.model = self.regrow.join(make_model(cfg))
+        else:
+            self.model = self.opt.wrap(make_model(cfg), seed=cfg.seed)
         check_global_batch(cfg, self.model.dp_size)
         # Elastic workers join mid-run, when the others are not there to share the work.
-        self.train_data, self.val_data = make_data(cfg, None if self.elastic else self.comm)
+        self.train_data, self.val_data = make_data(
+            cfg, None if self.elastic or self.newcomer else self.comm)
         sampler = self.train_data.sampler(cfg.global_batch, seed=cfg.seed)
         sampler.reweight = cfg.data_reweight  # a changed blend continues at its step
         self.opt.sampler = sampler
+        if self.newcomer:
+            self.regrow.place_sampler(sampler)
         if self.opening.mode == "resume":
             note = check_data_hash(self.opening.state.get("data_hash"),
                                    self.train_data.identity(), cfg.data,
@@ -195,7 +207,8 @@ class _Run:
         # the step's times (and report) first; metrics etc. after each step, then
         # preemption; after a recovery, rank 0's duties move first, then the save in flight
         # is recorded as abandoned
-        hooks: list[Any] = [self.timeline, self, self.recovery, self.checkpoints]
+        hooks: list[Any] = [self.timeline, self, self.recovery, self.checkpoints,
+                            self.regrow]
         elastic = ElasticHook(self.opt, cfg) if self.elastic else None
         if elastic is not None:
             hooks += [elastic, _BetweenSteps(self._take_lock_over)]
@@ -257,7 +270,8 @@ class _Run:
         self.events.write(event="resume", step=step, world_size=self.world_size(),
                           checkpoint=os.path.basename(path), time=time.time(),
                           **({"restart": restart} if restart else {}),
-                          **self.recovery.start_fields())  # this attempt's first event
+                          **self.recovery.start_fields(),
+                          **self.regrow.start_fields())  # this attempt's first event
         if self.is_root():
             lr = self.opt.lr_schedule(step) if self.opt.lr_schedule is not None else cfg.lr
             print(f"mpidist train: resuming {path} at step {step} on {self.world_size()} "
@@ -284,7 +298,7 @@ class _Run:
         self.events.write(event="start", step=start, world_size=self.world_size(),
                           strategy=cfg.strategy, mesh=_mesh_dict(self.model),
                           config=dataclasses.asdict(cfg), time=time.time(), **extra,
-                          **self.recovery.start_fields())
+                          **self.recovery.start_fields(), **self.regrow.start_fields())
         if self.is_root():
             n_params = sum(int(np.prod(s)) for _, s in make_model(cfg).named_parameter_shapes())
             where = getattr(self.model, "device", None)
@@ -298,6 +312,7 @@ class _Run:
             if mesh is not None and hasattr(mesh, "node_banner"):
                 print(mesh.node_banner(), end="", flush=True)  # the layout by node
         self.recovery.announce()
+        self.regrow.announce()
 
     # -- hooks ---------------------------------------------------------------------------------
     def after_step(self, model: Any, rec: Any) -> None:
@@ -451,6 +466,7 @@ class _Run:
             "setup_seconds": setup,
             "preempted": self.preempted or None,
             "recoveries": list(self.recovery.history),
+            "grown": list(self.regrow.history),
         }
         summary.update(self.timeline.finish(comm))  # per-rank times, speed, stragglers
         if self.elastic:

@@ -164,6 +164,9 @@ def print_summary(s: dict[str, Any], out: str, plotted: bool) -> None:
         print(f"recovered in-job      lost rank(s) {rec['lost']} after step {rec['step']}: "
               f"{rec['world_size']} rank(s) went on (detect {rec['detect_s']:.3f} s, shrink "
               f"{rec['shrink_s']:.3f} s, rebuild {rec['rebuild_s']:.3f} s{redo})")
+    for g in s.get("grown") or []:
+        print(f"grown back            after step {g['step']}: {g['from']} -> {g['to']} rank(s) "
+              f"(the join stalled training {g['stall_s']:.3f} s, spawn {g['spawn_s']:.3f} s)")
     from mpidist.run.stragglers import rank_table_lines
 
     for line in rank_table_lines(s):

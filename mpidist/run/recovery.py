@@ -102,7 +102,8 @@ class RunRecovery:
                          "detected_at": t.get("detected_at", 0.0),
                          "recovered_at": t.get("recovered_at", time.time())}
         if run.is_root():
-            print(f"mpidist train: lost {lost_words(changed.dead)}; {changed.world_size} "
+            lost = lost_words(changed.dead) if changed.dead else "a newcomer during a join"
+            print(f"mpidist train: lost {lost}; {changed.world_size} "
                   f"rank(s) go on from step {changed.step} (shrink and agree "
                   f"{t.get('shrink', 0.0):.3f} s, rebuild {t.get('rebuild', 0.0):.3f} s)",
                   flush=True)

@@ -2,7 +2,8 @@
 ulfm_harness.run_job starts.
 
 On import, this rank's stdout and stderr go to ``$MPIDIST_FT_TEST_DIR/rank-N.out|err``
-(N: the launcher's rank), so the harness has each rank's output even from a rank that was
+(N: the launcher's rank; 100, 101... for the processes of a first spawn, 200... of a
+second), so the harness has each rank's output even from a rank that was
 killed, and the rank announces its pid (an event ``started``), by which the harness can
 SIGKILL it from outside. ``event`` writes one JSON line (the harness reads them as they
 come); ``point`` is a named point at which ``MPIDIST_FT_TEST_KILL=RANK:POINT`` makes that
@@ -18,7 +19,18 @@ import signal
 import sys
 import time
 
-RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+
+def _rank() -> int:
+    """The launcher's rank; in a process spawned into the job (growing back: Open MPI
+    numbers each spawn's processes from 0 in a job of its own, ``<namespace>@<job>``),
+    ``100 * (job - 1)`` plus it, so that its files and events do not mix with a first
+    rank's."""
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+    _, at, job = os.environ.get("PMIX_NAMESPACE", "").rpartition("@")  # (Open MPI 5's)
+    return rank + 100 * (int(job) - 1) if at and job.isdigit() and int(job) > 1 else rank
+
+
+RANK = _rank()
 _DIR = os.environ.get("MPIDIST_FT_TEST_DIR")
 _KILL = os.environ.get("MPIDIST_FT_TEST_KILL", "")
 

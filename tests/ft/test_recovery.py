@@ -49,15 +49,17 @@ def reference(tmp: Path, args: tuple[str, ...] = ARGS) -> dict[int, float]:
 
 
 def train(ulfm, tmp_path: Path, monkeypatch, n: int = 4, *, strategy: str, kill: str = "",
-          extra: tuple[str, ...] = (), out: Path | None = None, **kw):
-    """``mpidist train`` on ``n`` ranks (ulfm_harness), ``MPIDIST_FT_KILL=kill``."""
+          extra: tuple[str, ...] = (), out: Path | None = None, regrow: str = "none", **kw):
+    """``mpidist train`` on ``n`` ranks (ulfm_harness), ``MPIDIST_FT_KILL=kill``; the
+    survivors go on smaller unless ``regrow="spawn"`` (tests/ft/test_grow.py)."""
     if kill:
         monkeypatch.setenv("MPIDIST_FT_KILL", kill)
     else:
         monkeypatch.delenv("MPIDIST_FT_KILL", raising=False)
     out = out or tmp_path / "run"
     job = ulfm("train.py", n, args=("train", *ARGS, "--strategy", strategy, "--out",
-                                    str(out), *extra), timeout=kw.pop("timeout", LIMIT), **kw)
+                                    str(out), "--regrow", regrow, *extra),
+              timeout=kw.pop("timeout", LIMIT), **kw)
     return job, out
 
 

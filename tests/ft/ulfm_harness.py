@@ -3,9 +3,10 @@
 ``run_job(program, n)`` starts ``program`` (a file in tests/ft/programs, which imports
 ``ftprog`` first) on ``n`` ranks, under the ULFM stack (``jobs/ulfm-mpiexec``: Open MPI 5
 with ``--with-ft ulfm``) or the system's ``mpiexec``, always under ``timeout``. Each rank's
-stdout and stderr land in files of their own (ftprog redirects them), its JSON events are
-read while the job runs, and a rank can be SIGKILLed from outside by its pid when it emits
-a named event (``kill_on``), or kill itself at a named point (``kill_at``). When the job
+stdout and stderr land in files of their own (ftprog redirects them; processes spawned
+into the job too, as ranks 100, 101...), its JSON events are read while the job runs,
+and a rank can be SIGKILLed from outside by its pid when it emits a named event
+(``kill_on``), or kill itself at a named point (``kill_at``). When the job
 outlives its limit, the whole process group and every reported pid are SIGKILLed: a
 failing test never leaves ranks behind.
 """
@@ -117,12 +118,23 @@ class _Watcher:
     """Reads the ranks' event lines as they are written (by offset, whole lines only)."""
 
     def __init__(self, out_dir: Path, n: int) -> None:
+        self.out_dir = out_dir
         self.paths = {r: out_dir / f"rank-{r}.out" for r in range(n)}
         self.offsets = dict.fromkeys(self.paths, 0)
         self.events: dict[int, list[dict]] = {r: [] for r in self.paths}
 
+    def _discover(self) -> None:
+        """Files of processes spawned into the job (rank-100.out...: ftprog)."""
+        for path in self.out_dir.glob("rank-*.out"):
+            r = path.name[5:-4]
+            if r.isdigit() and int(r) not in self.paths:
+                self.paths[int(r)] = path
+                self.offsets[int(r)] = 0
+                self.events.setdefault(int(r), [])
+
     def poll(self) -> list[dict]:
         new = []
+        self._discover()
         for r, path in self.paths.items():
             try:
                 with open(path, "rb") as f:
@@ -201,7 +213,7 @@ def run_job(program: str, n: int = 4, args: tuple[str, ...] = (), *, tmp: Path,
 
     return Job(returncode=proc.returncode, timed_out=timed_out,
                elapsed=time.monotonic() - start,
-               out={r: read(f"rank-{r}.out") for r in range(n)},
-               err={r: read(f"rank-{r}.err") for r in range(n)},
+               out={r: read(f"rank-{r}.out") for r in sorted(watcher.paths)},
+               err={r: read(f"rank-{r}.err") for r in sorted(watcher.paths)},
                launcher_out=read("mpiexec.out"), launcher_err=read("mpiexec.err"),
                events=watcher.events, killed=killed)

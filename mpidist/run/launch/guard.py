@@ -22,7 +22,7 @@ import numpy as np
 from mpidist.run.logs import append_to_run_log, rank_prefixed
 
 __all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error_agreement",
-           "exit_code", "one_line", "report_failure"]
+           "error_agreement_enabled", "exit_code", "one_line", "report_failure"]
 
 
 def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
@@ -88,6 +88,7 @@ class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a 
 ERROR_WAIT_SECONDS = 10.0
 
 _AGREEMENT: dict[str, Any] = {"comm": None}
+_REGISTERED = [False]  # whether enable_error_agreement ran (its listener is registered)
 
 
 def enable_error_agreement(comm: Any) -> None:
@@ -100,7 +101,15 @@ def enable_error_agreement(comm: Any) -> None:
     _AGREEMENT["comm"] = comm.Dup() if comm.Get_size() > 1 else None
     from mpidist.core.failure import on_shrink
 
+    _REGISTERED[0] = True
     on_shrink(_rebind)  # after in-job recovery from a lost rank: the survivors'
+
+
+def error_agreement_enabled() -> bool:
+    """Whether :func:`enable_error_agreement` was called in this process (then every
+    recovery, and every join of growing back, duplicates the job's communicator for it).
+    Not collective."""
+    return _REGISTERED[0]
 
 
 def _rebind(comm: Any) -> None:
