@@ -45,9 +45,10 @@ from mpidist.core.comms import comm_id, live, mpi
 from mpidist.core.specs import key_values
 
 __all__ = ["KILL_ENV", "KillPoint", "ProcessFailure", "Shrunk", "UnrecoverableFailure",
-           "commit", "enable", "enabled", "failure_classes", "install_kill_points", "is_failure",
-           "job_comm", "keep_alive", "leave", "leave_if_survived", "on_shrink", "parse_kill_points",
-           "revoke_all", "shrink", "survived"]
+           "commit", "enable", "enabled", "exit_barrier", "failure_classes",
+           "install_kill_points", "is_failure", "job_comm", "keep_alive", "leave",
+           "leave_if_survived", "on_shrink", "parse_kill_points", "revoke_all", "shrink",
+           "survived"]
 
 log = logging.getLogger("mpidist.failure")
 
@@ -288,13 +289,22 @@ def leave(status: int, comm: Any = None) -> None:
             pass
     logging.shutdown()
     if comm is not None:
-        try:  # polled, so that a rank released early waits without spinning
-            req = comm.Ibarrier()
-            while not req.Test():
-                time.sleep(0.01)
+        try:
+            exit_barrier(comm)
         except Exception:  # noqa: BLE001 - a failure on the way out: leave anyway
             pass
     os._exit(status)
+
+
+def exit_barrier(comm: Any) -> None:
+    """The barrier every process of a job that survived a failure passes on its way out
+    (survivors, released ranks, newcomers alike): an ``Ibarrier`` polled with short sleeps,
+    so that a rank released early waits without spinning (a blocking ``Barrier`` would not
+    match it: MPI never matches blocking and nonblocking collectives). Collective over
+    ``comm``."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.01)
 
 
 def leave_if_survived(status: int) -> int:

@@ -65,7 +65,7 @@ def before_exit(status: int) -> None:
     ``MPI_Finalize``, which a spawned process must call (the launcher fails the job
     otherwise), then ``os._exit(status)``. Collective over the job's communicator;
     returns at once elsewhere (not a newcomer)."""
-    from mpidist.core.failure import job_comm, survived
+    from mpidist.core.failure import exit_barrier, job_comm, survived
 
     if _JOINED[0] is None:
         return
@@ -74,7 +74,7 @@ def before_exit(status: int) -> None:
         stream.flush()
     logging.shutdown()
     try:
-        comm.Barrier()
+        exit_barrier(comm)
     except Exception:  # noqa: BLE001 - a failure on the way out: leave anyway
         pass
     if survived():  # (Open MPI 5.0's MPI_Finalize crashes after a failure: ompi_dpm)
