@@ -139,26 +139,49 @@ class _State:
     listeners: list[Callable[[Any], None]] = []
 
 
+def _knows_a_failure(call: calls.Call, wait: float = 0.0) -> bool:
+    """Whether the call's communicator is revoked or knows of a failed process, asking
+    again (with MPI progress) for up to ``wait`` seconds."""
+    MPI = mpi()
+    comm = next((c for c in live() if comm_id(c) == call.comm), None)
+    if comm is None:
+        return False
+    end = time.monotonic() + wait
+    while True:
+        try:
+            if comm.Is_revoked():
+                return True
+            failed = comm.Get_failed()
+            n = failed.Get_size()
+            failed.Free()
+            if n > 0:
+                return True
+            MPI.Comm.Iprobe(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)  # (progress)
+        except Exception:  # noqa: BLE001 - a communicator that cannot say: not ours
+            return False
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.01)
+
+
 def _lost_in_status(call: calls.Call, exc: BaseException) -> bool:
     """Whether an ``MPI_ERR_IN_STATUS`` of a wait (one of several requests failed) is a
     lost process: the call's communicator is revoked or knows of a failed process."""
     get = getattr(exc, "Get_error_class", None)
-    MPI = mpi()
-    if get is None or get() != MPI.ERR_IN_STATUS:
+    if get is None or get() != mpi().ERR_IN_STATUS:
         return False
-    for c in live():
-        if comm_id(c) != call.comm:
-            continue
-        try:
-            if c.Is_revoked():
-                return True
-            failed = c.Get_failed()
-            n = failed.Get_size()
-            failed.Free()
-            return n > 0
-        except Exception:  # noqa: BLE001 - a communicator that cannot say: not ours
-            return False
-    return False
+    return _knows_a_failure(call)
+
+
+def _garbled(call: calls.Call, exc: BaseException) -> bool:
+    """Whether a pickled-object call (mpi4py's lower-case methods) that failed to unpickle
+    what it received saw a lost process: ULFM lets a collective return on some ranks
+    although a member died in it, the dead member's part of the buffer unwritten (seen
+    here: ``allgather`` raising ``UnpicklingError`` on a survivor). Waits up to 2 s for
+    the communicator to learn of the failure."""
+    if hasattr(exc, "Get_error_class") or not call.op[:1].islower():
+        return False
+    return _knows_a_failure(call, wait=2.0)
 
 
 class _Revoker:
@@ -166,12 +189,14 @@ class _Revoker:
 
     def error(self, call: calls.Call, exc: BaseException) -> None:
         if isinstance(exc, ProcessFailure) or not (is_failure(exc)
-                                                   or _lost_in_status(call, exc)):
+                                                   or _lost_in_status(call, exc)
+                                                   or _garbled(call, exc)):
             return
         if not _State.detected:
             _State.detected = time.time()
         revoke_all()
-        error = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+        error = exc.Get_error_string() if hasattr(exc, "Get_error_string") \
+            else f"{type(exc).__name__}: {exc}"
         raise ProcessFailure(
             f"a rank was lost: {call.op} on {call.comm or 'a communicator'} failed "
             f"({error.split(':')[0]}) at step {call.step}"

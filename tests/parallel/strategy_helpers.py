@@ -61,3 +61,17 @@ def _train_alone(kind, steps, global_batch, dtype, max_grad_norm, gpt):
             scale = min(1.0, max_grad_norm / (norm + 1e-6))
         opt.update(params.data, grads.data, state, grad_scale=scale)
     return np.array(losses), {n: v.copy() for n, v in params.views().items()}
+
+
+def sampled_steps(opt, model, data, steps: int, batch: int, check=None) -> np.ndarray:
+    """``steps`` steps of ``opt`` on ``model`` with the global batches of a
+    :class:`GlobalBatchSampler` (seed 0) over ``data``, ``check(opt)`` after each; the
+    losses."""
+    opt.sampler = GlobalBatchSampler(len(data), batch, seed=0)
+    losses = []
+    for _ in range(steps):
+        x, y = data.batch(opt.sampler.next_local(model.dp_rank, model.dp_size))
+        losses.append(opt.step(model, (x, y)))
+        if check is not None:
+            check(opt)
+    return np.array(losses)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from strategy_helpers import make_case, reference_run
+from strategy_helpers import make_case, reference_run, sampled_steps
 
-from mpidist.data import GlobalBatchSampler
 from mpidist.parallel import ShardedOptimizer, ShardingConfiguration
 from mpidist.parallel.recovery import PHASES, decide, lost_words
 from mpidist.parallel.redundancy import copy_bytes_per_step, copy_stride, holder_of
@@ -25,14 +24,7 @@ def _train(comm, level, redundancy, *, steps=STEPS, kind="gpt", check=None, refr
     model = opt.wrap(make_model(), seed=0)
     if opt.redundancy is not None:
         opt.redundancy.refresh = refresh
-    opt.sampler = GlobalBatchSampler(len(data), BATCH, seed=0)
-    losses = []
-    for _ in range(steps):
-        x, y = data.batch(opt.sampler.next_local(model.dp_rank, model.dp_size))
-        losses.append(opt.step(model, (x, y)))
-        if check is not None:
-            check(opt)
-    return opt, np.array(losses)
+    return opt, sampled_steps(opt, model, data, steps, BATCH, check)
 
 
 def _neighbour_truth(opt):

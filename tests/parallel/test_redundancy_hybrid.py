@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from strategy_helpers import reference_run
+from strategy_helpers import reference_run, sampled_steps
 
-from mpidist.data import GlobalBatchSampler, TextCorpus
+from mpidist.data import TextCorpus
 from mpidist.nn import GPT, CrossEntropyLoss, GPTConfig
 from mpidist.optim import AdamW
 from mpidist.parallel import HybridShardedOptimizer, ShardingConfiguration
@@ -42,14 +42,7 @@ def _train(comm, sizes, zero, redundancy, check=None):
     opt.redundancy_mode = redundancy
     model = opt.wrap(GPT(CONFIG), seed=0)
     data = TextCorpus(CONFIG.block_size)
-    opt.sampler = GlobalBatchSampler(len(data), B, seed=0)
-    losses = []
-    for _ in range(STEPS):
-        x, y = data.batch(opt.sampler.next_local(model.dp_rank, model.dp_size))
-        losses.append(opt.step(model, (x, y)))
-        if check is not None:
-            check(opt)
-    return opt, np.array(losses)
+    return opt, sampled_steps(opt, model, data, STEPS, B, check)
 
 
 def _without(opt, dead: int, comm):
