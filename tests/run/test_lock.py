@@ -42,15 +42,22 @@ def test_acquire_release_and_a_second_holder_is_refused(tmp_path: Path):
     b.release()
 
 
+def _until(done, seconds: float = 10.0) -> None:
+    """Wait until ``done()`` (at most ``seconds``; the assertion after it says what failed)."""
+    end = time.monotonic() + seconds
+    while not done() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def test_the_lease_is_renewed_and_a_takeover_is_noticed(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MPIDIST_LOCK_LEASE_S", "0.05")
     lock = RunLock(str(tmp_path), "mpidist train rank 0")
     lock.acquire()
     first = read_lock(str(tmp_path))["renewed"]
-    time.sleep(0.3)
+    _until(lambda: read_lock(str(tmp_path))["renewed"] > first)
     assert read_lock(str(tmp_path))["renewed"] > first
     _fake_lock(tmp_path, token="someoneelse", renewed=time.time())  # another run took it
-    time.sleep(0.3)
+    _until(lambda: bool(lock.lost))  # (the renewing thread runs late on a loaded machine)
     assert lock.lost.startswith("mpidist train rank 0 (pid 4242 on node-elsewhere")
     lock.release()
     assert read_lock(str(tmp_path))["token"] == "someoneelse"  # not ours: left alone
