@@ -83,6 +83,7 @@ __all__ = [
     "ElasticOptimizer",
     "ResizeDecision",
     "decide",
+    "joined_state",
     "maybe_rescale",
     "membership",
     "move_all",
@@ -503,14 +504,7 @@ class ElasticOptimizer(ShardedOptimizer):
         _, new_ranks = membership(d)
         new_comm = union.Split(0, new_ranks[me])
         model = self._rebuild(new_comm)
-        shapes = {n: list(s) for n, s in model.tensor_shapes().items()}
-        if shapes != meta["shapes"]:
-            raise ValueError(f"the joining model's tensors {shapes} differ from the job's "
-                             f"{meta['shapes']}: not the same model")
-        state = self.base.init_state(model.state_size, dtype=model.dtype)
-        if sorted(state.buffers) != list(meta["state_keys"]):
-            raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the job's "
-                             f"{meta['state_keys']}: not the same optimizer")
+        state = joined_state(self.base, model, meta)
         move_all(union, d, me, None, (model, state))
         union.Free()
         self._install(new_comm, model, state)
@@ -548,6 +542,22 @@ class ElasticOptimizer(ShardedOptimizer):
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
+
+
+def joined_state(base: Optimizer, model: ShardedModel, meta: dict[str, Any]) -> Any:
+    """A joining process's empty optimizer state for ``model``, after checking that its
+    tensors and state buffers are the job's (``meta``: the job's ``shapes`` and
+    ``state_keys``, as the current workers broadcast them); ValueError naming both when
+    they differ (not the same model or optimizer). Not collective."""
+    shapes = {n: list(s) for n, s in model.tensor_shapes().items()}
+    if shapes != meta["shapes"]:
+        raise ValueError(f"the joining model's tensors {shapes} differ from the job's "
+                         f"{meta['shapes']}: not the same model")
+    state = base.init_state(model.state_size, dtype=model.dtype)
+    if sorted(state.buffers) != list(meta["state_keys"]):
+        raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the job's "
+                         f"{meta['state_keys']}: not the same optimizer")
+    return state
 
 
 def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int | None = None

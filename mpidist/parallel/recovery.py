@@ -285,19 +285,7 @@ def _attempt(old: Any, off: str | None, t0: float) -> MeshChanged:
     held = {v: old.red.copy_at(tag) for v in d.holders if d.holders[v] == old.rank}
     moved = _move(shrunk, old, d, model, state, (params, own_state),
                   {v: c[:2] for v, c in held.items() if c is not None})
-    opt.adopt(model, state)
-    opt.restore_position(opt_step, d.step, None)
-    opt.restore_extras(extras)
-    opt.rewind_sampler(old.entry, d.step)
-    if opt.redundancy is not None:
-        opt.redundancy.establish(opt, tag)
-    t2 = time.time()
-    commit(shrunk.comm)
-    old.built = []
-    t3 = time.time()
-    timing = {"detect": max(0.0, t0 - old.failure.detected), "shrink": shrunk.seconds
-              + (t3 - t2), "rebuild": t2 - t1, "detected_at": old.failure.detected,
-              "recovered_at": t3}
+    timing = _settle(opt, old, shrunk, d, (model, state), (opt_step, extras), (t0, t1))
     dead = [old.world[r] for r in d.dead]
     return MeshChanged(model, shrunk.comm, d.step, dead, shrunk.comm.Get_size(), timing,
                        moved)
@@ -387,20 +375,32 @@ def _attempt_general(old: Any, off: str | None, t0: float) -> MeshChanged:
     for k in keys:
         model.load_state_tensors({n: tensors[f"optimizer/{k}/{n}"] for n in old.shapes},
                                  state.buffers[k])
+    timing = _settle(opt, old, shrunk, d, (model, state), (opt_step, extras), (t0, t1))
+    return MeshChanged(model, comm, d.step, dead, used, timing, sent)
+
+
+def _settle(opt: Any, old: Any, shrunk: Any, d: Decision, new: tuple[Any, Any],
+            position: tuple[int, dict[str, Any]], times: tuple[float, float]
+            ) -> dict[str, float]:
+    """The end of a recovery attempt, on the rebuilt model and state ``new``: adopt them,
+    roll the position back to step ``d.step`` (``position``: the optimizer's step count and
+    extras), make the copies anew, commit over the survivors (ULFM ``Agree``). The timing of
+    the :class:`MeshChanged` (``times``: the recovery's start and the rebuild's). Collective
+    over the survivors."""
+    (model, state), (opt_step, extras), (t0, t1) = new, position, times
     opt.adopt(model, state)
     opt.restore_position(opt_step, d.step, None)
     opt.restore_extras(extras)
     opt.rewind_sampler(old.entry, d.step)
     if opt.redundancy is not None:
-        opt.redundancy.establish(opt, tag)
+        opt.redundancy.establish(opt, d.step + 1)
     t2 = time.time()
     commit(shrunk.comm)
     old.built = []
     t3 = time.time()
-    timing = {"detect": max(0.0, t0 - old.failure.detected), "shrink": shrunk.seconds
-              + (t3 - t2), "rebuild": t2 - t1, "detected_at": old.failure.detected,
-              "recovered_at": t3}
-    return MeshChanged(model, comm, d.step, dead, used, timing, sent)
+    return {"detect": max(0.0, t0 - old.failure.detected), "shrink": shrunk.seconds
+            + (t3 - t2), "rebuild": t2 - t1, "detected_at": old.failure.detected,
+            "recovered_at": t3}
 
 
 # -- moving the state ---------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from mpidist.checkpoint.background import wait_in_flight
 from mpidist.core.calls import set_step
 from mpidist.core.comms import bcast_json, mpi, phase, traced
 from mpidist.core.failure import ProcessFailure, commit, revoke_all
-from mpidist.parallel.elastic import move_all
+from mpidist.parallel.elastic import joined_state, move_all
 from mpidist.parallel.model import ShardedModel, resolve_mesh_shape
 from mpidist.parallel.resize import ResizeDecision
 
@@ -262,14 +262,7 @@ def join(opt: Any, module: Any, *, seed: int = 0) -> Joined:
             if meta["strategy"] != opt.strategy or int(meta["level"]) != opt.level:
                 raise ValueError(f"joining a {meta['strategy']!r} job as {opt.strategy!r}")
             model = build_model(opt, module, seed, union)
-            shapes = {n: list(s) for n, s in model.tensor_shapes().items()}
-            if shapes != meta["shapes"]:
-                raise ValueError(f"the newcomer's tensors {shapes} differ from the job's "
-                                 f"{meta['shapes']}: not the same model")
-            state = opt.base.init_state(model.state_size, dtype=model.dtype)
-            if sorted(state.buffers) != list(meta["state_keys"]):
-                raise ValueError(f"optimizer state {sorted(state.buffers)} differs from the "
-                                 f"job's {meta['state_keys']}: not the same optimizer")
+            state = joined_state(opt.base, model, meta)
             n_old = int(meta["n_old"])
             d = ResizeDecision(n_old, (), union.Get_size() - n_old)
             move_all(union, d, union.Get_rank(), None, (model, state))
