@@ -29,6 +29,7 @@ kill points are separated by ``;``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -45,10 +46,10 @@ from mpidist.core.comms import comm_id, live, mpi
 from mpidist.core.specs import key_values
 
 __all__ = ["KILL_ENV", "KillPoint", "ProcessFailure", "Shrunk", "UnrecoverableFailure",
-           "commit", "enable", "enabled", "exit_barrier", "failure_classes",
-           "install_kill_points", "is_failure", "job_comm", "keep_alive", "leave",
-           "leave_if_survived", "on_shrink", "parse_kill_points", "revoke_all", "shrink",
-           "survived"]
+           "abort", "abort_leaves_the_job", "commit", "enable", "enabled", "exit_barrier",
+           "failure_behind", "failure_classes", "install_kill_points", "is_failure",
+           "job_comm", "keep_alive", "leave", "leave_if_survived", "on_shrink",
+           "parse_kill_points", "revoke_all", "shrink", "survived"]
 
 log = logging.getLogger("mpidist.failure")
 
@@ -137,31 +138,68 @@ class _State:
     survived = False
     comm: Any = None  # the survivors' communicator after the last recovery
     listeners: list[Callable[[Any], None]] = []
+    stale: set[int] = set()  # ids of the communicators a recovery left behind (revoked)
 
 
 def _knows_a_failure(call: calls.Call, wait: float = 0.0) -> bool:
     """Whether the call's communicator is revoked or knows of a failed process, asking
     again (with MPI progress) for up to ``wait`` seconds."""
-    MPI = mpi()
     comm = next((c for c in live() if comm_id(c) == call.comm), None)
-    if comm is None:
+    return comm is not None and _any_knows([comm], wait)
+
+
+def _knows(comm: Any) -> bool:
+    """Whether ``comm`` is revoked or knows of a failed process (False where it cannot
+    say: freed meanwhile, not ULFM's)."""
+    try:
+        if comm.Is_revoked():
+            return True
+        failed = comm.Get_failed()
+        n = failed.Get_size()
+        failed.Free()
+        return n > 0
+    except Exception:  # noqa: BLE001 - a communicator that cannot say: not ours
         return False
+
+
+def _any_knows(comms: Sequence[Any], wait: float) -> bool:
+    """Whether one of ``comms`` is revoked or knows of a failed process, asking again
+    (with MPI progress) for up to ``wait`` seconds."""
+    MPI = mpi()
     end = time.monotonic() + wait
     while True:
-        try:
-            if comm.Is_revoked():
+        for comm in comms:
+            if _knows(comm):
                 return True
-            failed = comm.Get_failed()
-            n = failed.Get_size()
-            failed.Free()
-            if n > 0:
-                return True
-            MPI.Comm.Iprobe(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)  # (progress)
-        except Exception:  # noqa: BLE001 - a communicator that cannot say: not ours
-            return False
+            with contextlib.suppress(Exception):  # (progress)
+                MPI.Comm.Iprobe(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)
         if time.monotonic() >= end:
             return False
         time.sleep(0.01)
+
+
+def failure_behind(exc: BaseException, wait: float = 5.0) -> ProcessFailure | None:
+    """The :class:`ProcessFailure` behind ``exc``, an error that is not MPI's (a check of a
+    collective's result that failed, say), where a rank was lost meanwhile; None where the
+    hook is off, ``exc`` is a ProcessFailure already, or no live communicator of this
+    process learns of a failure within ``wait`` seconds (the error is the program's own).
+    ULFM lets a collective return *success* on a survivor although a member died in it,
+    the dead member's part of the buffer unwritten (seen across nodes: an ``Allreduce``
+    max of a table whose dead rank's slots kept their initial value): the check then fails
+    on garbage before any MPI call reports the failure. Revokes every live communicator
+    when it finds one, as the hook does. Not collective."""
+    if not _State.enabled or isinstance(exc, ProcessFailure) or not isinstance(exc, Exception):
+        return None
+    fresh = [c for c in live() if comm_id(c) != "self" and id(c) not in _State.stale]
+    if not _any_knows(fresh, wait):
+        return None
+    if not _State.detected:
+        _State.detected = time.time()
+    revoke_all()
+    step, where = calls.step_phase()
+    return ProcessFailure(f"a rank was lost: {type(exc).__name__} on a collective's result "
+                          f"({exc}) at step {step}", step=step, phase=where,
+                          detected=_State.detected)
 
 
 def _lost_in_status(call: calls.Call, exc: BaseException) -> bool:
@@ -296,9 +334,34 @@ def commit(comm: Any, flag: int = 1) -> int:
     _State.comm = comm
     _State.survived = True
     _State.detected = 0.0
+    _State.stale = {id(c) for c in live() if c is not comm and _knows(c)}
     for fn in list(_State.listeners):
         fn(comm)
     return agreed
+
+
+def abort(comm: Any, code: int) -> None:
+    """End the MPI job from this rank alone, with ``code``; does not return. Not collective.
+
+    ``MPI_Abort`` ends every rank, except under MPI's fault tolerance (ULFM, seen with Open
+    MPI 5.0 ``--with-ft ulfm``): there the runtime neither ends the other ranks nor reports
+    the aborted (or exited) process as failed, so they wait forever in their next
+    collective. Under fault tolerance this rank SIGKILLs itself instead, a loss the others
+    do see: they recover without it (a rank that fails alone is a lost rank, as a crashed
+    one is) or, where they cannot, end the job in one line."""
+    if abort_leaves_the_job():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.Abort(code)
+
+
+def abort_leaves_the_job() -> bool:
+    """Whether :func:`abort` ends only this rank (MPI's fault tolerance is on) rather than
+    the whole job. Not collective."""
+    from mpidist.core.ft import fault_tolerance
+
+    return bool(_State.enabled or fault_tolerance().available)
 
 
 def leave(status: int, comm: Any = None) -> None:

@@ -438,7 +438,9 @@ class _Watchdog(threading.Thread):
             _say(f"hang_abort: ending the job in {grace:.0f} s (MPI_Abort), once the other "
                  "ranks have dumped too")
             time.sleep(grace)
-            comms.mpi().COMM_WORLD.Abort(1)
+            from mpidist.core import failure  # (under fault tolerance: this rank leaves)
+
+            failure.abort(comms.mpi().COMM_WORLD, 1)
 
 
 # -- the test hold -------------------------------------------------------------------------------

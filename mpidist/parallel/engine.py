@@ -28,7 +28,7 @@ from mpidist.checkpoint.background import in_flight
 from mpidist.core import collectives as C
 from mpidist.core import recorder
 from mpidist.core.comms import phase, set_step, world
-from mpidist.core.failure import ProcessFailure
+from mpidist.core.failure import ProcessFailure, failure_behind
 from mpidist.core.timeline import span
 from mpidist.data.sampler import check_local_sizes, split_points
 from mpidist.optim.base import Optimizer, OptimizerState
@@ -316,6 +316,11 @@ class ShardedOptimizer(TrainingStateMixin, RecoveryMixin):
                 loss = self.hook.step(self, model, batch)
         except ProcessFailure as lost:  # the recovery abandons a save in flight
             raise self.recover(lost) from lost
+        except Exception as exc:  # a check failed on a dead rank's garbage: a lost rank
+            lost = failure_behind(exc)
+            if lost is None:
+                raise
+            raise self.recover(lost) from exc
         recorder.step_done(self.step_count)
         self.bytes_sent_last_step = self.hook.bytes_sent - before
         return loss

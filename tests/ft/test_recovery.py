@@ -49,15 +49,17 @@ def reference(tmp: Path, args: tuple[str, ...] = ARGS) -> dict[int, float]:
 
 
 def train(ulfm, tmp_path: Path, monkeypatch, n: int = 4, *, strategy: str, kill: str = "",
-          extra: tuple[str, ...] = (), out: Path | None = None, regrow: str = "none", **kw):
-    """``mpidist train`` on ``n`` ranks (ulfm_harness), ``MPIDIST_FT_KILL=kill``; the
-    survivors go on smaller unless ``regrow="spawn"`` (tests/ft/test_grow.py)."""
+          extra: tuple[str, ...] = (), out: Path | None = None, regrow: str = "none",
+          program: str = "train.py", **kw):
+    """``mpidist train`` on ``n`` ranks (ulfm_harness; ``program``: a file of
+    tests/ft/programs that runs it), ``MPIDIST_FT_KILL=kill``; the survivors go on smaller
+    unless ``regrow="spawn"`` (tests/ft/test_grow.py)."""
     if kill:
         monkeypatch.setenv("MPIDIST_FT_KILL", kill)
     else:
         monkeypatch.delenv("MPIDIST_FT_KILL", raising=False)
     out = out or tmp_path / "run"
-    job = ulfm("train.py", n, args=("train", *ARGS, "--strategy", strategy, "--out",
+    job = ulfm(program, n, args=("train", *ARGS, "--strategy", strategy, "--out",
                                     str(out), "--regrow", regrow, *extra),
               timeout=kw.pop("timeout", LIMIT), **kw)
     return job, out
@@ -170,6 +172,40 @@ def test_a_rank_and_the_holder_of_its_copy_killed_together(ulfm, tmp_path, monke
     assert sorted(rows) == sorted(ref)
     assert max(abs(rows[s] - ref[s]) for s in ref) <= 1e-9
     assert [e["event"] for e in _rows(out / "events.jsonl")].count("resume") == 1
+
+
+def test_a_check_failing_on_a_dead_ranks_garbage_is_a_lost_rank(ulfm, tmp_path, monkeypatch):
+    """ULFM can return success from a collective on a survivor with a dead member's part
+    unwritten; the batch check then fails on garbage before any MPI call reports the
+    loss (seen across nodes). Rank 1's check gets such a table while rank 3 dies: the
+    survivors recover, on the single-process trajectory."""
+    ref = reference(tmp_path)
+    monkeypatch.setenv("GARBLED_STEP", "4")
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
+                     kill=_kill(3, 4, "backward:0"), program="garbled_check.py")
+    check_recovered(job, out, ref, lost=[[3]], size=3)
+    assert job.each("garbled"), job.report()
+
+
+@pytest.mark.parametrize("earlier", [0, 2])
+def test_a_rank_failing_alone_leaves_and_the_others_recover(ulfm, tmp_path, monkeypatch,
+                                                             earlier):
+    """The same garbage where no rank died (none before, or one recovered at an earlier
+    step) is the rank's own error: its line, then, since ``MPI_Abort`` under ULFM ends
+    neither the job nor tells the others, the rank leaves (SIGKILL) and the others
+    recover without it, on the single-process trajectory."""
+    ref = reference(tmp_path)
+    monkeypatch.setenv("GARBLED_STEP", "4")
+    monkeypatch.setenv("GARBLED_WAIT", "0")
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
+                     program="garbled_check.py",
+                     kill=_kill(3, earlier, "backward") if earlier else "")
+    check_recovered(job, out, ref, lost=[[3], [1]] if earlier else [[1]],
+                    size=2 if earlier else 3)
+    lines = [ln for ln in text(job).splitlines() if "mpidist train: error:" in ln]
+    assert len(lines) == 1, job.report()
+    assert "has a local batch of -9223372036854775808 samples" in lines[0], lines
+    assert "leaving the job (status 2; under fault tolerance" in lines[0], lines
 
 
 @pytest.mark.parametrize(("second", "call"), [(3, 4), (2, 1)])

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mpidist.core import failure
 from mpidist.run.logs import append_to_run_log, rank_prefixed
 
 __all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error_agreement",
@@ -28,16 +29,25 @@ __all__ = ["ERROR_WAIT_SECONDS", "abort_on_failure", "abort_with", "enable_error
 def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     """Write ``text`` (a traceback) to ``stream`` (default ``sys.stderr``), each line
     prefixed with this rank, dump the flight recorder (:mod:`mpidist.core.recorder`, when
-    installed), then ``Abort`` ``comm`` with ``code``. Not collective: only
+    installed), then ``Abort`` ``comm`` with ``code`` (:func:`mpidist.core.failure.abort`:
+    under MPI's fault tolerance this rank leaves the job alone). Not collective: only
     the failing rank acts; MPI ends the others. Does not return."""
     stream = sys.stderr if stream is None else stream
     rank = comm.Get_rank()
     sys.stdout.flush()
     stream.write(rank_prefixed(rank, text))
-    stream.write(f"[rank {rank}] aborting the MPI job (exit code {code})\n")
+    stream.write(f"[rank {rank}] {_ending(code)}\n")
     stream.flush()
     _dump_flight_recorder(_headline(text))
-    comm.Abort(code)
+    failure.abort(comm, code)
+
+
+def _ending(code: int) -> str:
+    """How this rank's failure ends the job, in words."""
+    if failure.abort_leaves_the_job():
+        return (f"leaving the job (status {code}; under fault tolerance the other ranks "
+                "recover without this one, or end the job in one line)")
+    return f"aborting the MPI job (exit code {code})"
 
 
 class abort_on_failure(contextlib.ContextDecorator):  # noqa: N801 - reads as a statement
@@ -203,11 +213,10 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     if where is None:
         stream.write(rank_prefixed(rank, text))
     more = f"; traceback in {where}" if where else ""
-    stream.write(f"[rank {rank}] {prog}: error: {line}{more}; aborting the MPI job "
-                 f"(exit code {code})\n")
+    stream.write(f"[rank {rank}] {prog}: error: {line}{more}; {_ending(code)}\n")
     stream.flush()
     _dump_flight_recorder(line)
-    comm.Abort(code)
+    failure.abort(comm, code)
     return code  # pragma: no cover - Abort does not return
 
 
