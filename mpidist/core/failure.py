@@ -181,14 +181,16 @@ def _any_knows(comms: Sequence[Any], wait: float) -> bool:
 def failure_behind(exc: BaseException, wait: float = 5.0) -> ProcessFailure | None:
     """The :class:`ProcessFailure` behind ``exc``, an error that is not MPI's (a check of a
     collective's result that failed, say), where a rank was lost meanwhile; None where the
-    hook is off, ``exc`` is a ProcessFailure already, or no live communicator of this
-    process learns of a failure within ``wait`` seconds (the error is the program's own).
+    hook is off, ``exc`` is a ProcessFailure or an UnrecoverableFailure already, or no
+    live communicator of this process learns of a failure within ``wait`` seconds (the
+    error is the program's own).
     ULFM lets a collective return *success* on a survivor although a member died in it,
     the dead member's part of the buffer unwritten (seen across nodes: an ``Allreduce``
     max of a table whose dead rank's slots kept their initial value): the check then fails
     on garbage before any MPI call reports the failure. Revokes every live communicator
     when it finds one, as the hook does. Not collective."""
-    if not _State.enabled or isinstance(exc, ProcessFailure) or not isinstance(exc, Exception):
+    if not _State.enabled or isinstance(exc, (ProcessFailure, UnrecoverableFailure)) \
+            or not isinstance(exc, Exception):
         return None
     fresh = [c for c in live() if comm_id(c) != "self" and id(c) not in _State.stale]
     if not _any_knows(fresh, wait):

@@ -576,12 +576,15 @@ def maybe_rescale(opt: ElasticOptimizer, model: ShardedModel | None, step: int |
 Held = tuple[ShardedModel | None, Any] | None  # (model, optimizer state) on one side, or None
 
 
-def move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held) -> int:
+def move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held,
+             ranks: tuple[list[int], list[int]] | None = None) -> int:
     """Move the parameters and every optimizer-state buffer from the old workers' models to
     the new ones (``union``: the old workers first, in their order, then the joiners; ``d``
     the agreed change). ``old`` is None on a joiner, ``new`` (or its model) None on a leaver.
-    Also what in-job recovery's growing back moves (:mod:`mpidist.parallel.regrow`).
-    Collective over ``union``. Returns the bytes this member sent to others."""
+    ``ranks``: each union member's rank in the old and in the new mesh (-1: none), where
+    they are not :func:`membership`'s (meshes that order their ranks by node). Also what
+    in-job recovery's growing back moves (:mod:`mpidist.parallel.regrow`). Collective over
+    ``union``. Returns the bytes this member sent to others."""
     old_model, old_state = old if old is not None else (None, None)
     new_model, new_state = new if new is not None else (None, None)
     model = old_model if old_model is not None else new_model
@@ -591,24 +594,26 @@ def move_all(union: Any, d: ResizeDecision, me: int, old: Held, new: Held) -> in
     pp, tp = model.pp_size, model.tp_size
     src = None if old_model is None else (old_model.placement, old_model.parameter_storage)
     dst = None if new_model is None else (new_model.placement, new_model.parameter_storage)
-    moved = _move(union, d, me, src, dst, sharded=model.shards_params, pp=pp, tp=tp)
+    moved = _move(union, d, me, src, dst, sharded=model.shards_params, pp=pp, tp=tp,
+                  ranks=ranks)
     for key in sorted(state.buffers):
         src = None if old_model is None else (old_model.placement, old_state.buffers[key])
         dst = None if new_model is None else (new_model.placement, new_state.buffers[key])
-        moved += _move(union, d, me, src, dst, sharded=model.shards_state, pp=pp, tp=tp)
+        moved += _move(union, d, me, src, dst, sharded=model.shards_state, pp=pp, tp=tp,
+                       ranks=ranks)
     return moved
 
 
 def _move(union: Any, d: ResizeDecision, me: int, src: tuple[Placement, np.ndarray] | None,
           dst: tuple[Placement, np.ndarray] | None, *, sharded: bool, pp: int = 1,
-          tp: int = 1) -> int:
+          tp: int = 1, ranks: tuple[list[int], list[int]] | None = None) -> int:
     """Move one flat buffer from the old layout to the new one, within each (stage, tp)
     column of the mesh. Collective over ``union``.
 
     ``src`` (the old placement and buffer) is None on a joiner, ``dst`` on a leaver. One
     ``Alltoallv``. Returns the bytes this member sent to others.
     """
-    old_ranks, new_ranks = membership(d)
+    old_ranks, new_ranks = ranks if ranks is not None else membership(d)
     numels: dict[int, list[int]] = {}
     old_col = new_col = -1
     if src is not None:

@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from mpidist.checkpoint.background import wait_in_flight
 from mpidist.core.calls import set_step
 from mpidist.core.comms import bcast_json, mpi, phase, traced
@@ -149,6 +151,18 @@ def build_model(opt: Any, module: Any, seed: int, comm: Any) -> ShardedModel:
                         data_parallel_size=opt.shape.dp)
 
 
+def mesh_positions(union: Any, old: ShardedModel | None,
+                   new: ShardedModel) -> tuple[list[int], list[int]]:
+    """Each member of ``union``'s data-parallel rank in the pre-join mesh (-1: a newcomer)
+    and in the grown one. A mesh orders its ranks by node, so across nodes a rank of the
+    mesh need not be the member's rank in ``union`` (a newcomer placed on the first node
+    comes before the second node's survivors). Collective over ``union``."""
+    mine = np.array([-1 if old is None else old.dp_rank, new.dp_rank], dtype=np.int64)
+    table = np.zeros((union.Get_size(), 2), dtype=np.int64)
+    union.Allgather(mine, table)
+    return [int(v) for v in table[:, 0]], [int(v) for v in table[:, 1]]
+
+
 def _metadata(opt: Any, n_old: int) -> dict[str, Any]:
     model, state = opt.model, opt.state
     return {"strategy": opt.strategy, "level": int(opt.level),
@@ -221,7 +235,7 @@ def grow(opt: Any, joins: int, extra: dict[str, Any] | None = None, *,
             state = opt.base.init_state(model.state_size, dtype=model.dtype)
             d = ResizeDecision(n_old, (), int(joins))
             moved = move_all(union, d, union.Get_rank(), (old_model, old_state),
-                             (model, state))
+                             (model, state), ranks=mesh_positions(union, old_model, model))
             state.step = old_state.step
             opt.adopt(model, state)
             t2 = time.perf_counter()
@@ -265,7 +279,8 @@ def join(opt: Any, module: Any, *, seed: int = 0) -> Joined:
             state = joined_state(opt.base, model, meta)
             n_old = int(meta["n_old"])
             d = ResizeDecision(n_old, (), union.Get_size() - n_old)
-            move_all(union, d, union.Get_rank(), None, (model, state))
+            move_all(union, d, union.Get_rank(), None, (model, state),
+                     ranks=mesh_positions(union, None, model))
             opt.adopt(model, state)
             opt.restore_position(int(meta["step"]), int(meta["steps_taken"]), meta["data"])
             opt.restore_extras(meta.get("extras") or {})

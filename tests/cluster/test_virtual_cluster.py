@@ -423,19 +423,22 @@ def _ulfm_on_cluster(env: dict, map_by: str, kill: str, args: list[str],
 
 def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: Path) -> None:
     """Under ULFM, ranks placed node by node: rank 3 (node 2) lost in step 4 is recovered in
-    the job on the single-process trajectory; so is node 2 lost whole (ranks 2 and 3: their
-    copies are held on node 1, the copies' stride is the 2 ranks of a node); rank 1 and
+    the job, and replaced by a spawned process, on the single-process trajectory; so is
+    node 2 lost whole (ranks 2 and 3: their copies are held on node 1, the copies' stride
+    is the 2 ranks of a node; the job goes on smaller from here on); rank 1 and
     rank 3, which held its copy, lost together end the job in one line; with round-robin
     placement (the mesh orders the ranks by node) the recovery matches ranks by mesh
     coordinates and recovers too."""
-    # (growing back is not checked across nodes: with --regrow spawn the first case did not
-    # finish within its time limit here; the survivors finish on their own)
+    # the first case grows back (a newcomer spawned, its place in the node-ordered mesh
+    # exchanged); the others go on smaller
     args = [*_mpidist(), "train", "--steps", "6", "--strategy", "zero2",
-            "--checkpoint-interval", "2", "--regrow", "none", *TINY]
+            "--checkpoint-interval", "2", *TINY]
     one = _ulfm_on_cluster(cluster, "slot", "rank=3,step=4,phase=backward",
                            [*args, "--out", str(tmp_path / "one")], tmp_path)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "lost rank 3; 3 rank(s) go on from step 3" in one.stdout, one.stdout[-3000:]
+    assert "grown back to 4 rank(s) after step 4" in one.stdout, one.stdout[-3000:]
+    args = [*args, "--regrow", "none"]
     got = losses(tmp_path / "one")
     assert sorted(got) == sorted(reference)
     assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-9
@@ -451,8 +454,15 @@ def test_in_job_recovery_across_nodes(cluster: dict, reference: dict, tmp_path: 
                             "rank=3,step=4,phase=backward",
                             [*args, "--out", str(tmp_path / "pair")], tmp_path)
     said = pair.stdout + pair.stderr
-    assert pair.returncode == 1, said[-3000:]
-    assert "rank 1 and rank 3, which held its copy, died together" in said, said[-3000:]
+    if "died together" not in said:  # rank 3 learnt of rank 1's loss before its own
+        # kill point (still in the step's batch check across the nodes): then it died in
+        # the redone step, a second loss the job recovers from, on the same trajectory
+        assert pair.returncode == 0 and "lost rank 1; 3 rank(s) go on" in said, said[-3000:]
+        got = losses(tmp_path / "pair")
+        assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-9
+    else:
+        assert pair.returncode == 1, said[-3000:]
+        assert "rank 1 and rank 3, which held its copy, died together" in said, said[-3000:]
     robin = _ulfm_on_cluster(cluster, "node", "rank=1,step=4,phase=backward",
                              [*args, "--out", str(tmp_path / "robin")], tmp_path)
     said = robin.stdout + robin.stderr

@@ -67,7 +67,8 @@ def test_gpt_forward_backward_on_the_device_equals_the_cpu():
     np.testing.assert_allclose(out["fake"][1], out["cpu"][1], rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow),
+                                      pytest.param("zero1", marks=pytest.mark.slow), "zero3"])
 def test_training_on_the_device_follows_the_cpu_trajectory(comm, strategy):
     want_losses, want = reference_run("gpt", STEPS, B, "float64", gpt=TINY)
     result, _, model = _run(comm, strategy, device=FAKE)
@@ -101,6 +102,7 @@ def test_a_checkpoint_moves_between_device_and_cpu(comm, tmp_path_factory):
     assert cpu_opt.state.step == back_opt.state.step == opt.state.step
 
 
+@pytest.mark.slow  # make test-slow (make test: a checkpoint between device and CPU)
 def test_an_async_checkpoint_copies_device_arrays_into_pinned_memory(comm, tmp_path_factory):
     from mpidist.checkpoint.background import default_pool
 

@@ -125,9 +125,15 @@ class _Started:
         return "".join(self.lines)
 
 
+# make test: one rank killed mid-write and every rank before the commit (the rest: make
+# test-slow)
+_IN_MAKE_TEST = {("mid-write", "one"), ("before-commit", "all")}
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victims", ["one", "all"])
-@pytest.mark.parametrize("point", WRITER_POINTS)
+@pytest.mark.parametrize(("point", "victims"), [
+    pytest.param(p, v, marks=() if (p, v) in _IN_MAKE_TEST else pytest.mark.slow)
+    for p in WRITER_POINTS for v in ("one", "all")])
 def test_kill_during_a_write_then_resume_elsewhere(tmp_path, reference, point, victims):
     out = tmp_path / "run"
     # The save of step 10 stops at the point (on rank 1 alone, or on every rank).
