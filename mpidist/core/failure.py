@@ -346,11 +346,12 @@ def abort(comm: Any, code: int) -> None:
     """End the MPI job from this rank alone, with ``code``; does not return. Not collective.
 
     ``MPI_Abort`` ends every rank, except under MPI's fault tolerance (ULFM, seen with Open
-    MPI 5.0 ``--with-ft ulfm``): there the runtime neither ends the other ranks nor reports
-    the aborted (or exited) process as failed, so they wait forever in their next
-    collective. Under fault tolerance this rank SIGKILLs itself instead, a loss the others
-    do see: they recover without it (a rank that fails alone is a lost rank, as a crashed
-    one is) or, where they cannot, end the job in one line."""
+    MPI 5.0 ``--with-ft ulfm``) before any process has failed: there the runtime neither
+    ends the other ranks nor reports the aborted (or exited) process as failed, so they
+    wait forever in their next collective (after a failure, it ends the job as usual). In
+    that case this rank SIGKILLs itself instead, a loss the others do see: they recover
+    without it (a rank that fails alone is a lost rank, as a crashed one is) or, where they
+    cannot, end the job in one line."""
     if abort_leaves_the_job():
         sys.stdout.flush()
         sys.stderr.flush()
@@ -359,11 +360,15 @@ def abort(comm: Any, code: int) -> None:
 
 
 def abort_leaves_the_job() -> bool:
-    """Whether :func:`abort` ends only this rank (MPI's fault tolerance is on) rather than
-    the whole job. Not collective."""
+    """Whether :func:`abort` ends only this rank: MPI's fault tolerance is on and this
+    process knows of no failed process yet. Not collective."""
     from mpidist.core.ft import fault_tolerance
 
-    return bool(_State.enabled or fault_tolerance().available)
+    if not (_State.enabled or fault_tolerance().available):
+        return False
+    if _State.detected or _State.survived:
+        return False
+    return not _knows(mpi().COMM_WORLD)
 
 
 def leave(status: int, comm: Any = None) -> None:

@@ -188,23 +188,27 @@ def test_a_check_failing_on_a_dead_ranks_garbage_is_a_lost_rank(ulfm, tmp_path, 
 
 
 @pytest.mark.parametrize("earlier", [0, 2])
-def test_a_rank_failing_alone_leaves_and_the_others_recover(ulfm, tmp_path, monkeypatch,
-                                                             earlier):
-    """The same garbage where no rank died (none before, or one recovered at an earlier
-    step) is the rank's own error: its line, then, since ``MPI_Abort`` under ULFM ends
-    neither the job nor tells the others, the rank leaves (SIGKILL) and the others
-    recover without it, on the single-process trajectory."""
+def test_a_rank_failing_alone(ulfm, tmp_path, monkeypatch, earlier):
+    """The same garbage where no rank died is the rank's own error: its line, then, since
+    ``MPI_Abort`` under ULFM before any failure ends nothing and tells no one, the rank
+    leaves (SIGKILL) and the others recover without it, on the single-process trajectory.
+    After a failure (one recovered at an earlier step) ``MPI_Abort`` ends the job again,
+    with the rank's line and its status."""
     ref = reference(tmp_path)
     monkeypatch.setenv("GARBLED_STEP", "4")
     monkeypatch.setenv("GARBLED_WAIT", "0")
     job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2",
                      program="garbled_check.py",
                      kill=_kill(3, earlier, "backward") if earlier else "")
-    check_recovered(job, out, ref, lost=[[3], [1]] if earlier else [[1]],
-                    size=2 if earlier else 3)
     lines = [ln for ln in text(job).splitlines() if "mpidist train: error:" in ln]
     assert len(lines) == 1, job.report()
     assert "has a local batch of -9223372036854775808 samples" in lines[0], lines
+    if earlier:
+        assert not job.timed_out and job.returncode == 2, job.report()
+        assert "aborting the MPI job (exit code 2)" in lines[0], lines
+        assert "lost rank 3; 3 rank(s) go on" in text(job), job.report()
+        return
+    check_recovered(job, out, ref, lost=[[1]], size=3)
     assert "leaving the job (status 2; under fault tolerance" in lines[0], lines
 
 
