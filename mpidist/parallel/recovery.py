@@ -571,14 +571,17 @@ class RecoveryMixin:
         self.shape = resolve_mesh_shape(self.config, comm, pp, tp, -1)
         return self._build_model(module, seed=seed, initialize=False)  # type: ignore[attr-defined]
 
-    def adopt(self, model: Any, state: Any) -> None:
+    def adopt(self, model: Any, state: Any, *, copies: bool = True) -> None:
         """Train ``model`` with optimizer ``state`` from now on (after a recovery); its
-        copies are made for its layout. Not collective."""
+        copies are made for its layout unless ``copies`` is False (a failed join puts back
+        the pre-join model, whose communicators are freed, and its copies as they were).
+        Not collective."""
         self.model, self.state = model, state
         self.hook = model.hook
         self.hook.opt = self
         self._bind_pieces()  # type: ignore[attr-defined]
-        self.setup_redundancy()
+        if copies:
+            self.setup_redundancy()
 
     def position_extras(self) -> dict[str, Any]:
         """What a rollback restores besides the state and the step count: fp16's loss

@@ -193,8 +193,8 @@ class _Saved:
     def restore(self, opt: Any) -> None:
         f = self.fields
         opt.build_comm, opt.shape, opt.config = f["build_comm"], f["shape"], f["config"]
-        if opt.model is not f["model"]:
-            opt.adopt(f["model"], f["state"])  # rebinds the update pieces to the old state
+        if opt.model is not f["model"]:  # rebinds the update pieces to the old state
+            opt.adopt(f["model"], f["state"], copies=False)
         opt.redundancy = f["redundancy"]  # the pre-join copies: what the recovery reads
 
 

@@ -134,13 +134,16 @@ def test_a_newcomer_lost_during_the_join(ulfm, tmp_path, monkeypatch):
     assert end["world_size"] == 4, events
 
 
-def test_a_survivor_lost_during_the_join(ulfm, tmp_path, monkeypatch):
-    """Rank 1 dies in the join after step 3: the survivors recover from the pre-join
-    layout (rank 1's state from its copy) on 2 ranks, the newcomer of the abandoned join
-    exits, and after step 5 two newcomers bring the job back to 4."""
+@pytest.mark.parametrize("call", [3, 21])
+def test_a_survivor_lost_during_the_join(ulfm, tmp_path, monkeypatch, call):
+    """Rank 1 dies in the join after step 3 (its 3rd MPI call of the join, before the
+    state moves, or its 21st, making the grown mesh's copies after the survivors took the
+    grown model): the survivors recover from the pre-join layout (rank 1's state from its
+    copy) on 2 ranks, the newcomer of the abandoned join exits, and after step 5 two
+    newcomers bring the job back to 4."""
     ref = reference(tmp_path)
     job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2", regrow="spawn",
-                     kill=_kill(2, 3, "backward") + ";rank=1,step=3,phase=grow,call=3")
+                     kill=_kill(2, 3, "backward") + f";rank=1,step=3,phase=grow,call={call}")
     events = _trained(job, out, ref)
     assert [e["lost"] for e in events if e["event"] == "recovered"] == [[2], [1]], events
     (gone,) = [e for e in events if e["event"] == "join_abandoned"]
