@@ -183,3 +183,29 @@ def test_an_asynchronous_save_in_flight_commits_before_the_join(ulfm, tmp_path, 
     kinds = [(e["event"], e.get("step")) for e in events]
     assert kinds.index(("checkpoint", 3)) < kinds.index(("grown", 3)), kinds
     assert (out / "latest").read_text().strip() == "ckpt-00000006.h5"
+
+
+def test_a_refused_spawn_goes_on_smaller(ulfm, tmp_path, monkeypatch):
+    """Replacements that cannot be started (the program to spawn does not exist, as with no
+    free slots): ``Spawn`` fails by itself, nothing changed; the job goes on at 3 ranks on
+    the single-process trajectory and tries again later (after steps 2, then 4; the next
+    try, after step 8, is past the end). mpiexec's status says the spawn failed (183 here)
+    although the job finished: the summary says what happened."""
+    ref = reference(tmp_path)
+    job, out = train(ulfm, tmp_path, monkeypatch, strategy="zero2", regrow="spawn",
+                     kill=_kill(2, 2, "backward"), program="refused_spawn.py")
+    assert not job.timed_out, job.report()
+    rows = {r["step"]: r["loss"] for r in _rows(out / "metrics.jsonl") if r["split"] == "train"}
+    assert sorted(rows) == sorted(ref), job.report()
+    assert max(abs(rows[s] - ref[s]) for s in ref) <= 1e-9
+    events = _events(out)
+    refused = [e for e in events if e["event"] == "grow_refused"]
+    assert [(e["step"], e["failures"], e["retry_at"]) for e in refused] == [(2, 1, 4),
+                                                                            (4, 2, 8)], events
+    assert all(e["reason"].startswith("spawning 1 process(es) failed: ") for e in refused)
+    assert not [e for e in events if e["event"] == "grown"], events
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert end["world_size"] == 3, events
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 3
+    assert "growing back failed after step 2 (spawning 1 process(es) failed" in text(job)
+    assert "trying again after step 4" in text(job)
