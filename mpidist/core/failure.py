@@ -184,6 +184,7 @@ def failure_behind(exc: BaseException, wait: float = 5.0) -> ProcessFailure | No
     hook is off, ``exc`` is a ProcessFailure or an UnrecoverableFailure already, or no
     live communicator of this process learns of a failure within ``wait`` seconds (the
     error is the program's own).
+
     ULFM lets a collective return *success* on a survivor although a member died in it,
     the dead member's part of the buffer unwritten (seen across nodes: an ``Allreduce``
     max of a table whose dead rank's slots kept their initial value): the check then fails
@@ -342,8 +343,10 @@ def commit(comm: Any, flag: int = 1) -> int:
     return agreed
 
 
-def abort(comm: Any, code: int) -> None:
+def abort(comm: Any, code: int, leave: bool | None = None) -> None:
     """End the MPI job from this rank alone, with ``code``; does not return. Not collective.
+    ``leave``: what :func:`abort_leaves_the_job` said when the caller wrote its line
+    (default: ask now), so that the line and the act agree.
 
     ``MPI_Abort`` ends every rank, except under MPI's fault tolerance (ULFM, seen with Open
     MPI 5.0 ``--with-ft ulfm``) before any process has failed: there the runtime neither
@@ -352,7 +355,7 @@ def abort(comm: Any, code: int) -> None:
     that case this rank SIGKILLs itself instead, a loss the others do see: they recover
     without it (a rank that fails alone is a lost rank, as a crashed one is) or, where they
     cannot, end the job in one line."""
-    if abort_leaves_the_job():
+    if abort_leaves_the_job() if leave is None else leave:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)

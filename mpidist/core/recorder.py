@@ -52,7 +52,7 @@ import traceback
 import zlib
 from typing import Any
 
-from mpidist.core import calls, comms
+from mpidist.core import calls, comms, failure
 from mpidist.core.specs import key_values
 
 __all__ = ["DEFAULT_SIZE", "DEFAULT_TIMEOUT", "FORMAT", "cap_timeout", "dump", "hold_spec",
@@ -438,9 +438,7 @@ class _Watchdog(threading.Thread):
             _say(f"hang_abort: ending the job in {grace:.0f} s (MPI_Abort), once the other "
                  "ranks have dumped too")
             time.sleep(grace)
-            from mpidist.core import failure  # (under fault tolerance: this rank leaves)
-
-            failure.abort(comms.mpi().COMM_WORLD, 1)
+            failure.abort(comms.mpi().COMM_WORLD, 1)  # (under ULFM: this rank leaves)
 
 
 # -- the test hold -------------------------------------------------------------------------------

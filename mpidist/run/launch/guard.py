@@ -36,15 +36,17 @@ def abort_with(comm: Any, text: str, code: int = 1, stream: Any = None) -> None:
     rank = comm.Get_rank()
     sys.stdout.flush()
     stream.write(rank_prefixed(rank, text))
-    stream.write(f"[rank {rank}] {_ending(code)}\n")
+    leave = failure.abort_leaves_the_job()
+    stream.write(f"[rank {rank}] {_ending(code, leave)}\n")
     stream.flush()
     _dump_flight_recorder(_headline(text))
-    failure.abort(comm, code)
+    failure.abort(comm, code, leave)
 
 
-def _ending(code: int) -> str:
-    """How this rank's failure ends the job, in words."""
-    if failure.abort_leaves_the_job():
+def _ending(code: int, leave: bool) -> str:
+    """How this rank's failure ends the job, in words (``leave``:
+    :func:`mpidist.core.failure.abort_leaves_the_job`)."""
+    if leave:
         return (f"leaving the job (status {code}; under fault tolerance the other ranks "
                 "recover without this one, or end the job in one line)")
     return f"aborting the MPI job (exit code {code})"
@@ -213,10 +215,11 @@ def report_failure(exc: BaseException, prog: str, stream: Any = None) -> int:
     if where is None:
         stream.write(rank_prefixed(rank, text))
     more = f"; traceback in {where}" if where else ""
-    stream.write(f"[rank {rank}] {prog}: error: {line}{more}; {_ending(code)}\n")
+    leave = failure.abort_leaves_the_job()
+    stream.write(f"[rank {rank}] {prog}: error: {line}{more}; {_ending(code, leave)}\n")
     stream.flush()
     _dump_flight_recorder(line)
-    failure.abort(comm, code)
+    failure.abort(comm, code, leave)
     return code  # pragma: no cover - Abort does not return
 
 
